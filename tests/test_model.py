@@ -1,0 +1,368 @@
+"""Tests that model.py's attention, RoPE and KV cache compute what they claim (CPU, fp32)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from model import GPT, GPTConfig, KVCache, apply_rope, causal_attention, rope_tables, sample_next_token, sampling_probs
+
+HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
+
+
+def tiny_config(**overrides):
+    settings = dict(vocab_size=97, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64)
+    settings.update(overrides)
+    return GPTConfig(**settings)
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 1. Attention is softmax(Q K^T / sqrt(hd) + causal mask) V
+
+
+def attention_by_hand(q, k, v, n_cached):
+    """The textbook formula, one query head at a time; query head h reads kv head h // group."""
+    n_head, n_kv_head, T, S, hd = q.size(1), k.size(1), q.size(2), k.size(2), q.size(3)
+    group = n_head // n_kv_head
+    outputs = []
+    for h in range(n_head):
+        kh, vh = k[:, h // group], v[:, h // group]  # (B, S, hd)
+        scores = q[:, h] @ kh.transpose(-1, -2) / math.sqrt(hd)  # (B, T, S)
+        query_pos = torch.arange(T)[:, None] + n_cached
+        key_pos = torch.arange(S)[None, :]
+        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        outputs.append(torch.softmax(scores, dim=-1) @ vh)
+    return torch.stack(outputs, dim=1)  # (B, nh, T, hd)
+
+
+@pytest.mark.parametrize("kind", HEADS)
+@pytest.mark.parametrize("n_cached,T", [(0, 9), (11, 1), (11, 6)], ids=["full", "decode", "chunk"])
+def test_attention_matches_formula(kind, n_cached, T):
+    torch.manual_seed(0)
+    B, hd = 2, 8
+    q = torch.randn(B, 4, T, hd)
+    k = torch.randn(B, HEADS[kind], n_cached + T, hd)
+    v = torch.randn(B, HEADS[kind], n_cached + T, hd)
+    expected = attention_by_hand(q, k, v, n_cached)
+    torch.testing.assert_close(causal_attention(q, k, v, n_cached), expected, atol=1e-5, rtol=1e-5)
+
+
+def rope_by_hand(x, positions, base):
+    """RoPE as complex multiplication: the pair (x[i], x[i + hd/2]) is the complex number
+    x[i] + j x[i + hd/2], turned by the angle position * base^(-2i/hd). x is (B, T, nh, hd)."""
+    hd = x.size(-1)
+    pairs = torch.complex(x[..., : hd // 2].double(), x[..., hd // 2:].double())
+    freqs = base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    turn = torch.polar(torch.ones(len(positions), hd // 2, dtype=torch.float64), positions.double()[:, None] * freqs)
+    turned = pairs * turn[:, None, :]
+    return torch.cat((turned.real, turned.imag), dim=-1).float()
+
+
+@pytest.mark.parametrize("kind", HEADS)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_layer_matches_formula(kind, qk_norm):
+    """The whole attention layer, from x to its output, recomputed from its weights."""
+    model = tiny_model(n_kv_head=HEADS[kind], qk_norm=qk_norm)
+    attn = model.layers[0].self_attn
+    with torch.no_grad():  # make the qk-norm weights non-trivial so a skipped norm would show
+        for module in (attn.q_norm, attn.k_norm):
+            if qk_norm:
+                module.weight.uniform_(0.5, 1.5)
+    B, T, hd = 2, 10, model.config.head_dim
+    x = torch.randn(B, T, model.config.n_embd)
+
+    def rms_norm_by_hand(t, weight):
+        return t / torch.sqrt(t.pow(2).mean(-1, keepdim=True) + model.config.norm_eps) * weight
+
+    q = (x @ attn.q_proj.weight.T).view(B, T, 4, hd)
+    k = (x @ attn.k_proj.weight.T).view(B, T, HEADS[kind], hd)
+    v = (x @ attn.v_proj.weight.T).view(B, T, HEADS[kind], hd)
+    if qk_norm:
+        q, k = rms_norm_by_hand(q, attn.q_norm.weight), rms_norm_by_hand(k, attn.k_norm.weight)
+    positions = torch.arange(T)
+    q, k = rope_by_hand(q, positions, model.config.rope_base), rope_by_hand(k, positions, model.config.rope_base)
+    y = attention_by_hand(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), n_cached=0)
+    expected = y.transpose(1, 2).reshape(B, T, -1) @ attn.o_proj.weight.T
+    with torch.no_grad():
+        actual = attn(x, model.rope_cos[:T], model.rope_sin[:T])
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 2. GQA is MHA with each kv head shared by its group of query heads
+
+
+@pytest.mark.parametrize("n_kv_head", [2, 1])
+def test_gqa_equals_mha_with_repeated_kv_weights(n_kv_head):
+    gqa = tiny_model(n_kv_head=n_kv_head)
+    mha = tiny_model(seed=1, n_kv_head=4)
+    group, hd = 4 // n_kv_head, gqa.config.head_dim
+    state = gqa.state_dict()
+    for name, tensor in list(state.items()):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            # rows are (kv head, hd): repeat each kv head's block for the query heads of its group
+            state[name] = tensor.view(n_kv_head, hd, -1).repeat_interleave(group, dim=0).reshape(4 * hd, -1)
+    mha.load_state_dict(state)
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(mha(idx)[0], gqa(idx)[0], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Causality
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_changing_a_token_leaves_earlier_logits_unchanged(kind):
+    model = tiny_model(n_kv_head=HEADS[kind])
+    idx = torch.randint(0, 97, (2, 24))
+    changed = idx.clone()
+    t = 13
+    changed[:, t] = (idx[:, t] + 1) % 97
+    with torch.no_grad():
+        before, after = model(idx)[0], model(changed)[0]
+    assert torch.equal(before[:, :t], after[:, :t])
+    assert not torch.allclose(before[:, t:], after[:, t:])  # the change is seen from t on
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. The KV cache gives the logits of one full forward, whatever the chunking
+
+
+def random_chunks(total, generator):
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(min(int(torch.randint(1, 9, (1,), generator=generator)), total - sum(sizes)))
+    return sizes
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_cached_chunks_equal_full_forward(kind):
+    model = tiny_model(n_kv_head=HEADS[kind])
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 97, (3, 48), generator=generator)
+    with torch.no_grad():
+        full = model(idx)[0]
+        for trial in range(3):
+            sizes = random_chunks(48, generator)
+            if trial == 0:
+                sizes = [5, 1, 1] + random_chunks(41, generator)  # decode steps early on, for sure
+            cache = model.new_kv_cache(batch_size=3, max_len=48)
+            pieces, start = [], 0
+            for size in sizes:
+                pieces.append(model(idx[:, start:start + size], kv_cache=cache)[0])
+                start += size
+            assert cache.pos == 48
+            assert (torch.cat(pieces, dim=1) - full).abs().max() < 1e-5, sizes
+
+            # Roll back as if tokens from position 20 on were rejected, feed other tokens, then the
+            # original ones again: each time the logits are those of a full forward of that sequence.
+            cache.truncate(20)
+            other = torch.randint(0, 97, (3, 9), generator=generator)
+            other_full = model(torch.cat([idx[:, :20], other], dim=1))[0][:, 20:]
+            assert (model(other, kv_cache=cache)[0] - other_full).abs().max() < 1e-5
+            cache.truncate(20)
+            assert (model(idx[:, 20:31], kv_cache=cache)[0] - full[:, 20:31]).abs().max() < 1e-5
+            assert (model(idx[:, 31:32], kv_cache=cache)[0] - full[:, 31:32]).abs().max() < 1e-5
+
+
+def test_gqa_cache_is_smaller_by_the_group_factor():
+    gqa, mha = tiny_model(n_kv_head=1), tiny_model(n_kv_head=4)
+    assert mha.new_kv_cache(2, 32).k.numel() == 4 * gqa.new_kv_cache(2, 32).k.numel()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 5. Generation
+
+
+def naive_greedy(model, idx, max_new_tokens):
+    """Recompute the whole sequence at every step, no cache."""
+    for _ in range(max_new_tokens):
+        logits = model(idx)[0][:, -1]
+        idx = torch.cat([idx, logits.argmax(dim=-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_greedy_generate_equals_naive_loop(kind):
+    # Untied: a fresh tied model mostly repeats its last token, which would hide position errors.
+    model = tiny_model(n_kv_head=HEADS[kind], tie_embeddings=False)
+    prompt = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        expected = naive_greedy(model, prompt, 30)
+    actual = model.generate(prompt, 30, temperature=0.0)
+    assert actual.shape == (2, 37)
+    assert torch.equal(actual, expected)
+    assert len(expected[:, 7:].unique()) > 10  # the continuation is varied enough to mean something
+
+
+def test_generate_uses_the_output_head_only_for_the_last_position():
+    model = tiny_model()
+    rows_seen = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows_seen.append(args[0].shape[:-1].numel()))
+    model.generate(torch.randint(0, 97, (2, 10)), 5, temperature=0.0)
+    assert rows_seen == [2] * 5  # batch of 2, one position per step, the 10-token prefill included
+
+
+def test_sampling_is_reproducible_with_a_generator():
+    model = tiny_model()
+    prompt = torch.randint(0, 97, (2, 5))
+    runs = [model.generate(prompt, 20, temperature=1.0, top_k=20, generator=torch.Generator().manual_seed(s))
+            for s in (7, 7, 8)]
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+
+
+def test_sampling_probs_top_k_and_top_p():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+    # top_p = 0.7: 0.5 alone is short of it, 0.5 + 0.3 reaches it, so exactly those two stay.
+    torch.testing.assert_close(sampling_probs(logits, top_p=0.7), torch.tensor([[0.0, 0.5, 0.0, 0.3]]) / 0.8)
+    torch.testing.assert_close(sampling_probs(logits, top_k=3), torch.tensor([[0.0, 0.5, 0.15, 0.3]]) / 0.95)
+    torch.testing.assert_close(sampling_probs(logits, top_p=1.0), torch.tensor([[0.05, 0.5, 0.15, 0.3]]))
+    # temperature 0.5 squares the probabilities before renormalizing
+    squared = torch.tensor([[0.05, 0.5, 0.15, 0.3]]) ** 2
+    torch.testing.assert_close(sampling_probs(logits, temperature=0.5), squared / squared.sum())
+    assert sample_next_token(logits, temperature=0.0).item() == 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. RoPE encodes relative position
+
+
+def test_rope_score_depends_only_on_relative_position():
+    torch.manual_seed(0)
+    hd = 16
+    rope_cos, rope_sin = rope_tables(hd, 200, base=10000.0)
+    q, k = torch.randn(1, 1, 1, hd), torch.randn(1, 1, 1, hd)
+
+    def score(m, n):
+        q_m = apply_rope(q, rope_cos[m:m + 1], rope_sin[m:m + 1])
+        k_n = apply_rope(k, rope_cos[n:n + 1], rope_sin[n:n + 1])
+        return (q_m * k_n).sum().item()
+
+    for m, n in [(5, 2), (9, 9), (3, 17)]:
+        for shift in (1, 40, 150):
+            assert score(m + shift, n + shift) == pytest.approx(score(m, n), abs=1e-4)
+    assert score(5, 2) != pytest.approx(score(5, 3), abs=1e-3)  # yet the offset itself matters
+
+
+# ----------------------------------------------------------------------------------------------------
+# 7. Learning, init and accounting
+
+
+@pytest.mark.parametrize("mlp", ["swiglu", "gelu", "relu2"])
+def test_tiny_model_overfits_one_batch(mlp):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(mlp=mlp, block_size=32))
+    idx = torch.randint(0, 97, (4, 33))
+    x, y = idx[:, :-1], idx[:, 1:]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(200):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.1
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_fresh_model_loss_is_about_ln_vocab(tie_embeddings):
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=1000, n_embd=128, tie_embeddings=tie_embeddings))
+    idx, targets = torch.randint(0, 1000, (8, 64)), torch.randint(0, 1000, (8, 64))
+    _, loss = model(idx, targets)
+    assert abs(loss.item() - math.log(1000)) < 0.1
+
+
+def test_targets_of_minus_one_are_ignored():
+    model = tiny_model()
+    idx, targets = torch.randint(0, 97, (2, 10)), torch.randint(0, 97, (2, 10))
+    masked = targets.clone()
+    masked[:, 4:] = -1
+    logits, loss = model(idx, masked)
+    expected = F.cross_entropy(logits[:, :4].reshape(-1, 97), targets[:, :4].reshape(-1))
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize("kind", HEADS)
+def test_flops_per_token_matches_counted_flops(kind):
+    """PaLM's 6N + 12 L H hd T against the matmul FLOPs PyTorch counts in one training step."""
+    model = GPT(tiny_config(n_kv_head=HEADS[kind], block_size=32))
+    idx = torch.randint(0, 97, (3, 32))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are visible to the counter
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert model.flops_per_token() * idx.numel() == counter.get_total_flops()
+    assert model.estimate_mfu(1000.0, peak_flops=model.flops_per_token() * 4000.0) == pytest.approx(0.25)
+
+
+def test_num_params_counts_by_hand():
+    cfg = tiny_config(n_kv_head=2, mlp="swiglu", qk_norm=True, tie_embeddings=True)
+    C, hd, kv_width = cfg.n_embd, cfg.head_dim, 2 * cfg.head_dim
+    per_layer = C * C + 2 * C * kv_width + C * C + 3 * C * cfg.mlp_width + 2 * C + 2 * hd
+    assert GPT(cfg).num_params() == cfg.vocab_size * C + cfg.n_layer * per_layer + C
+    untied = GPT(tiny_config(tie_embeddings=False))
+    assert untied.num_params() == GPT(cfg).num_params() + cfg.vocab_size * C
+
+
+# ----------------------------------------------------------------------------------------------------
+# 8. Errors
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(n_embd=66), "n_embd"),  # not divisible by n_head=4
+    (dict(n_head=4, n_kv_head=3), "n_head"),  # 4 query heads can't be split among 3 kv heads
+    (dict(n_embd=12, n_head=4, n_kv_head=1), "head dim"),  # head dim 3 is odd: RoPE needs pairs
+    (dict(n_layer=0), "n_layer"),
+    (dict(vocab_size=-5), "vocab_size"),
+    (dict(block_size=0), "block_size"),
+    (dict(n_kv_head=0), "n_kv_head"),
+    (dict(n_embd=64.0), "n_embd"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(mlp="moe"), "mlp"),
+])
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+def test_cache_errors():
+    model = tiny_model()
+    cache = model.new_kv_cache(batch_size=2, max_len=10)
+    model(torch.randint(0, 97, (2, 8)), kv_cache=cache)
+    with pytest.raises(ValueError, match="overflow.*max_len 10"):
+        model(torch.randint(0, 97, (2, 3)), kv_cache=cache)
+    assert cache.pos == 8  # a refused chunk changes nothing
+    with pytest.raises(ValueError, match="batch size 2"):
+        model(torch.randint(0, 97, (3, 1)), kv_cache=cache)
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(9)
+    with pytest.raises(ValueError, match="max_len"):
+        model.new_kv_cache(batch_size=1, max_len=65)  # longer than block_size=64
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.randint(0, 97, (1, 65)))
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.randint(0, 97, (1, 60)), max_new_tokens=5)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(temperature=-1.0), "temperature"), (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        sample_next_token(torch.zeros(1, 5), **kwargs)
+
+
+def test_kv_cache_is_plain_and_preallocated():
+    cache = KVCache(n_layer=2, batch_size=3, n_kv_head=1, max_len=5, head_dim=4)
+    assert cache.k.shape == (2, 3, 1, 5, 4) and cache.pos == 0 and cache.max_len == 5
