@@ -1,0 +1,70 @@
+"""Tiny Shakespeare in GPT-2 tokens (tiktoken BPE): the first 90% of the text is train, the rest val.
+
+    python data/shakespeare/prepare.py [--input PATH] [--out_dir DIR]
+
+The text ships in this folder (input.txt, public domain); if it is missing it is downloaded once.
+"""
+
+import argparse
+import os
+import sys
+import urllib.request
+
+import numpy as np
+import tiktoken
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
+from data.shards import DataError, atomic_open, write_meta, write_shard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TEXT = os.path.join(HERE, "input.txt")
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TRAIN_FRACTION = 0.9
+
+
+def read_text(path=None):
+    """The text at `path` if given, else the repo's copy, else downloaded (and saved as the repo's copy)."""
+    if path is not None:
+        if not os.path.isfile(path):
+            raise DataError(f"--input {path}: no such file")
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if not os.path.isfile(TEXT):
+        print(f"{TEXT} is missing, downloading {URL}")
+        try:
+            with urllib.request.urlopen(URL, timeout=30) as response:
+                data = response.read()
+        except OSError as e:  # no network, DNS failure, HTTP error: all OSErrors
+            raise DataError(f"could not download Tiny Shakespeare ({e}); pass --input PATH to a local copy") from None
+        with atomic_open(TEXT) as f:
+            f.write(data)
+    return read_text(TEXT)
+
+
+def split_text(text):
+    """Train and val text, split at a character boundary like nanoGPT."""
+    n = int(len(text) * TRAIN_FRACTION)
+    return text[:n], text[n:]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="the text file (default: input.txt in this folder)")
+    parser.add_argument("--out_dir", default=HERE, help="where the shards and meta.json go (default: this folder)")
+    args = parser.parse_args(argv)
+
+    train_text, val_text = split_text(read_text(args.input))
+    enc = tiktoken.get_encoding("gpt2")
+    os.makedirs(args.out_dir, exist_ok=True)
+    for split, text in [("train", train_text), ("val", val_text)]:
+        tokens = np.array(enc.encode_ordinary(text), dtype=np.uint16)  # ordinary: no special tokens in the text
+        write_shard(os.path.join(args.out_dir, f"shakespeare_{split}_000000.bin"), tokens)
+        print(f"{split}: {len(tokens):,} tokens")
+    write_meta(args.out_dir, {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as e:
+        sys.exit(f"error: {e}")

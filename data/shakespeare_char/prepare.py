@@ -1,0 +1,43 @@
+"""Tiny Shakespeare at the character level: each of its 65 distinct characters is a token; 90% train, 10% val.
+
+    python data/shakespeare_char/prepare.py [--input PATH] [--out_dir DIR]
+
+Reads input.txt in this folder if there is one, else the copy in data/shakespeare/ (downloaded if missing).
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
+from data.shakespeare.prepare import read_text, split_text
+from data.shards import DataError, write_meta, write_shard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LOCAL_TEXT = os.path.join(HERE, "input.txt")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="the text file (default: input.txt here, else data/shakespeare/input.txt)")
+    parser.add_argument("--out_dir", default=HERE, help="where the shards and meta.json go (default: this folder)")
+    args = parser.parse_args(argv)
+
+    text = read_text(args.input or (LOCAL_TEXT if os.path.isfile(LOCAL_TEXT) else None))
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    os.makedirs(args.out_dir, exist_ok=True)
+    for split, part in zip(["train", "val"], split_text(text)):
+        tokens = np.array([index[c] for c in part], dtype=np.uint16)
+        write_shard(os.path.join(args.out_dir, f"shakespeare_char_{split}_000000.bin"), tokens)
+        print(f"{split}: {len(tokens):,} tokens")
+    write_meta(args.out_dir, {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars})
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DataError as e:
+        sys.exit(f"error: {e}")

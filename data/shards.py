@@ -1,0 +1,207 @@
+"""Token shards: the llm.c file format, dataset metadata, and the loader that train.py samples batches from.
+
+A shard is a 1024-byte header of 256 little-endian int32 (magic, version, token count, then zeros) followed
+by the tokens: uint16 for version 1 (llm.c's format, so its GPT-2 shards load unchanged) and uint32 for
+version 2 (vocabularies above 65,535). A dataset folder holds the shards of each split, found by the name
+pattern `*_<split>_*.bin`, and a meta.json describing the tokenizer. See data/README.md.
+"""
+
+import contextlib
+import glob
+import json
+import os
+
+import numpy as np
+import torch
+
+MAGIC = 20240520  # llm.c's token shard magic
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtype
+# a folder of llm.c shards without meta.json is GPT-2 tokens, which is what llm.c writes
+GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
+
+
+class DataError(Exception):
+    """A problem with the data that the user can fix; the message is one line saying what to do."""
+
+
+@contextlib.contextmanager
+def atomic_open(path):
+    """Open a temp file next to `path` for binary writing, and move it to `path` only if the block succeeds,
+    so a crash never leaves a half-written file under the final name."""
+    tmp = f"{path}.tmp"  # same folder, so os.replace is atomic; a rerun overwrites a stale one
+    f = open(tmp, "wb")
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.remove(tmp)
+        raise
+
+
+def write_shard(path, tokens):
+    """Write tokens as one shard, atomically; uint16 (version 1) when every token fits, else uint32 (version 2)."""
+    tokens = np.asarray(tokens)
+    if len(tokens) >= 2**31:
+        raise DataError(f"{path}: {len(tokens):,} tokens do not fit one shard's int32 count; use smaller shards")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**32):
+        raise DataError(f"{path}: token ids must lie in [0, 2**32)")
+    version = 1 if len(tokens) == 0 or tokens.max() < 2**16 else 2
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = MAGIC, version, len(tokens)
+    with atomic_open(path) as f:
+        f.write(header.tobytes())
+        f.write(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPES[version]))  # no copy when already the right dtype
+
+
+def read_shard(path):
+    """The tokens of a shard as a read-only memory map, after checking its header against the file size."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise DataError(f"{path}: {size} bytes is too short for the {HEADER_BYTES}-byte header; delete it and re-run the prepare script")
+    magic, version, count = np.fromfile(path, dtype="<i4", count=3)
+    if magic != MAGIC:
+        raise DataError(f"{path}: not a token shard (magic {magic}, expected {MAGIC}); re-run the prepare script")
+    if version not in TOKEN_DTYPES:
+        raise DataError(f"{path}: unsupported shard version {version} (this code reads 1 and 2); re-run the prepare script")
+    dtype = TOKEN_DTYPES[version]
+    expected = HEADER_BYTES + int(count) * dtype.itemsize
+    if size != expected:
+        raise DataError(f"{path}: file is {size} bytes but its header promises {count} tokens ({expected} bytes); "
+                        "it is truncated or corrupt, delete it and re-run the prepare script")
+    if count == 0:  # mmap cannot map zero bytes
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(int(count),))
+
+
+def write_meta(data_dir, meta):
+    """Write meta.json (tokenizer, vocab_size, eot_token, and for "char" the character list), atomically."""
+    with atomic_open(os.path.join(data_dir, "meta.json")) as f:
+        f.write(json.dumps(meta, indent=1).encode())
+
+
+def prepare_command(data_dir):
+    return f"python data/{os.path.basename(os.path.normpath(data_dir))}/prepare.py"
+
+
+def require_dir(data_dir):
+    if not os.path.isdir(data_dir):
+        raise DataError(f"dataset folder {data_dir} not found; prepare it with `{prepare_command(data_dir)}`")
+
+
+def load_meta(data_dir):
+    """The dataset's meta.json; a folder of shards without one (as llm.c writes them) is read as GPT-2 tokens."""
+    require_dir(data_dir)
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        return dict(GPT2_META)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        vocab_size = meta["vocab_size"]
+    except (ValueError, KeyError, TypeError):
+        raise DataError(f"{path}: not valid metadata (needs a JSON object with vocab_size); re-run `{prepare_command(data_dir)}`") from None
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise DataError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; re-run `{prepare_command(data_dir)}`")
+    return meta
+
+
+def check_vocab(data_dir, model_vocab_size):
+    """Fail early if the data can hold token ids the model has no embedding for."""
+    meta = load_meta(data_dir)
+    if meta["vocab_size"] > model_vocab_size:
+        raise DataError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size {meta['vocab_size']} exceeds the model's "
+                        f"vocab_size {model_vocab_size}; set the model's vocab_size to at least {meta['vocab_size']}")
+    return meta
+
+
+def find_shards(data_dir, split):
+    """The shard files of a split, in name order: `*_<split>_*.bin` (llm.c's fineweb_val_000000.bin works as is)."""
+    require_dir(data_dir)
+    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.bin")))
+    if not paths:
+        raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; prepare them with `{prepare_command(data_dir)}`")
+    return paths
+
+
+class ShardLoader:
+    """Batches of token windows from the shards of one split, reproducible from (seed, position).
+
+    Each shard is cut into non-overlapping windows of block_size + 1 tokens, on a grid shifted by a random
+    offset each epoch, so a small corpus seen for many epochs is cut differently each time. Epoch e visits
+    the shards in an order shuffled by (seed, e), and the windows of a shard in an order shuffled by
+    (seed, e, shard). Rank r of W takes windows r, r + W, r + 2W, ... of that order, so ranks never share a
+    window, and every rank takes the same number from each shard (the < W left over are skipped), so all
+    ranks move in lockstep and one position (epoch, shard, window) is the state of all of them. All ranks
+    must use the same seed. Memory: the memory maps and one shard's window permutation, whatever the corpus size.
+    """
+
+    def __init__(self, data_dir, split, batch_size, block_size, seed=0, rank=0, world_size=1, device="cpu"):
+        self.paths = find_shards(data_dir, split)
+        self.shards = [read_shard(p) for p in self.paths]
+        self.batch_size, self.window_len = batch_size, block_size + 1
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.device = torch.device(device)
+        self.windows = [self._windows_in(len(s)) for s in self.shards]  # per shard and epoch
+        self.windows_per_rank = [n // world_size for n in self.windows]
+        if sum(self.windows_per_rank) == 0:
+            n_tokens = sum(len(s) for s in self.shards)
+            raise DataError(f"{data_dir}: the {split} split ({n_tokens} tokens in {len(self.shards)} shards) is shorter than "
+                            f"one window of block_size + 1 = {self.window_len} tokens per shard and rank; "
+                            "lower block_size or prepare more data")
+        self.epoch, self.shard, self.window = 0, 0, 0
+        self._order_key, self._order = None, None
+
+    def state_dict(self):
+        """The position of the next window: epoch, index into that epoch's shard order, window within the shard."""
+        return {"epoch": self.epoch, "shard": self.shard, "window": self.window}
+
+    def load_state_dict(self, state):
+        epoch, shard, window = int(state["epoch"]), int(state["shard"]), int(state["window"])
+        if not 0 <= shard < len(self.shards) or window < 0:
+            raise DataError(f"loader position {state} does not fit the {len(self.shards)} shards of {self.paths[0]} and "
+                            "its siblings; the data changed since the checkpoint, resume with the data it was made from")
+        self.epoch, self.shard, self.window = epoch, shard, window
+
+    def _windows_in(self, n_tokens):
+        """Windows per epoch in a shard: all that fit, less one when there are several, which leaves room
+        to shift the grid by up to a window."""
+        n_windows = n_tokens // self.window_len
+        return n_windows - 1 if n_windows >= 2 else n_windows
+
+    def _orders(self):
+        """This epoch's current shard, its grid offset and window order (cached: computed once per shard)."""
+        key = (self.epoch, self.shard)
+        if key != self._order_key:
+            shard_order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards))
+            shard_id = int(shard_order[self.shard])
+            rng = np.random.default_rng([self.seed, self.epoch, shard_id])
+            n_windows = self.windows[shard_id]
+            offset = int(rng.integers(len(self.shards[shard_id]) - n_windows * self.window_len + 1))
+            self._order_key, self._order = key, (shard_id, offset, rng.permutation(n_windows))
+        return self._order
+
+    def _next_window(self):
+        # move past finished (or too short) shards, and past the end of the epoch
+        while self.window >= self.windows_per_rank[self._orders()[0]]:
+            self.window, self.shard = 0, self.shard + 1
+            if self.shard == len(self.shards):
+                self.shard, self.epoch = 0, self.epoch + 1
+        shard_id, offset, window_order = self._orders()
+        start = offset + int(window_order[self.window * self.world_size + self.rank]) * self.window_len
+        self.window += 1
+        return self.shards[shard_id][start:start + self.window_len]
+
+    def next_batch(self):
+        """x, y: int64 tensors of shape (batch_size, block_size) on the device; y is x shifted by one token."""
+        windows = np.stack([self._next_window() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T+1)
+        x = torch.from_numpy(windows[:, :-1].copy())
+        y = torch.from_numpy(windows[:, 1:].copy())
+        if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
+            x = x.pin_memory().to(self.device, non_blocking=True)
+            y = y.pin_memory().to(self.device, non_blocking=True)
+        return x, y
