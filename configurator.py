@@ -1,0 +1,140 @@
+"""
+Settings from the command line, the nanoGPT way: `python train.py config/small.py --learning_rate=3e-4`.
+
+    settings = configure(dict(batch_size=12, learning_rate=6e-4, compile=True, top_k=None), sys.argv[1:])
+
+The script owns the defaults; configure() returns a new dict with argv applied in order, so later
+arguments win. Anything wrong raises ConfigError with a one-line message for the user.
+
+- A positional argument is a config file: Python run in a fresh namespace. Its public names (no leading
+  underscore; modules, functions and classes are skipped) are settings. A missing file gets a suggestion
+  from config/*.py (relative to the current directory) when one is close.
+- `--key=value` splits at the first `=`, so values may contain `=`. `--key value` works too, unless the
+  next token starts with `--`. `--max-iters` means `max_iters`.
+- A bare `--flag` sets a boolean setting to True; a following token is taken as its value only if it is a
+  boolean word, so `--compile config/small.py` keeps the file positional. Other settings need a value.
+- A value is ast.literal_eval'ed; if that fails, the raw text is the value (unquoted strings).
+- Values are checked against the default's type: bool takes True/False/1/0 (any case); int takes ints
+  and integral floats (1e3 -> 1000); float takes ints and floats (stored as float); str takes the raw text
+  when it is not a quoted string (`--dataset=123` is '123'); tuple/list take either (elements unchecked);
+  a None default takes anything. Config file values are checked the same way, but a str setting needs a
+  str there. Unknown keys are errors, with the closest known key suggested.
+"""
+
+import ast
+import difflib
+import glob
+import traceback
+import types
+
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+
+
+class ConfigError(ValueError):
+    """A one-line message for the user: what was wrong and what to do."""
+
+
+def configure(defaults: dict, argv: list[str]) -> dict:
+    """Return a new dict: defaults, updated by the config files and --key=value overrides in argv, in order."""
+    settings = dict(defaults)
+    args = list(argv)  # consumed front to back; `--key value` takes the next one too
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            for key, value in _run_config_file(arg).items():
+                _check_known(defaults, key, f"{arg}: ")
+                settings[key] = _coerce(defaults[key], value, None, f"{arg}: {key}")
+            continue
+        key, has_value, raw = arg[2:].partition("=")
+        key = key.replace("-", "_")
+        _check_known(defaults, key, "")
+        if not has_value:
+            raw = _take_value(key, defaults[key], args)
+        settings[key] = _coerce(defaults[key], _parse(raw), raw, f"--{key}")
+    return settings
+
+
+def _take_value(key, default, args):
+    """The value of `--key` given without `=`: the next token, or True for a bare boolean flag."""
+    has_next = bool(args) and not args[0].startswith("--")
+    if isinstance(default, bool):
+        # only a boolean word belongs to the flag; anything else (a config file) stands on its own
+        return args.pop(0) if has_next and args[0].lower() in _BOOL_WORDS else "True"
+    if not has_next:
+        raise ConfigError(f"--{key} needs a value, as in --{key}=VALUE")
+    return args.pop(0)
+
+
+def _parse(raw):
+    """A Python literal if raw is one, else raw itself, so that `--dataset=shakespeare` needs no quotes."""
+    try:
+        return ast.literal_eval(raw)
+    except Exception:  # ValueError, SyntaxError, MemoryError, ...: all mean "not a literal"
+        return raw
+
+
+def _coerce(default, value, raw, label):
+    """value converted to the default's type, or ConfigError; raw is the command-line text, None in a file."""
+    if isinstance(default, bool):  # before int: a bool is an int
+        word = str(value).lower()  # True, 1, "true" and "TRUE" all read as "true"
+        if word in _BOOL_WORDS:
+            return _BOOL_WORDS[word]
+    elif isinstance(default, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # so that --max_iters=1e5 works
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(default, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        if raw is not None:
+            return raw  # the default says it is text, so --dataset=123 means '123'
+    elif isinstance(default, (tuple, list)):
+        if isinstance(value, (tuple, list)):
+            return type(default)(value)
+    elif default is None or isinstance(value, type(default)):
+        return value
+    shown = raw if raw is not None else value
+    raise ConfigError(f"{label}: expected {_describe(default)}, got {shown!r}")
+
+
+def _describe(default):
+    names = {bool: "True or False", int: "an int", float: "a float", str: "a string"}
+    return names.get(type(default), f"a {type(default).__name__}")
+
+
+def _check_known(defaults, key, where):
+    if key not in defaults:
+        raise ConfigError(f"{where}unknown setting {key!r}{_did_you_mean(key, defaults)}")
+
+
+def _did_you_mean(word, options):
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _run_config_file(path):
+    """The settings a config file assigns, or ConfigError naming the file (and the line, if it ran)."""
+    try:
+        with open(path, "rb") as f:  # bytes, so compile() honours the file's encoding declaration
+            source = f.read()
+    except OSError as e:
+        hint = _did_you_mean(path, glob.glob("config/*.py"))
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except SyntaxError as e:
+        raise ConfigError(f"{path}, line {e.lineno}: SyntaxError: {e.msg}") from None
+    except Exception as e:
+        # the innermost line of the config file itself, even if the error came from something it called
+        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
+        raise ConfigError(f"{path}, line {lines[-1]}: {type(e).__name__}: {e}") from None
+    return {
+        name: value
+        for name, value in namespace.items()
+        if not name.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)
+    }
