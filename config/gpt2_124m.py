@@ -1,0 +1,32 @@
+# GPT-2-small-sized model (12 layers, 768 wide, 1024 context) with GQA, on FineWeb GPT-2 tokens, for one
+# node of 8 GPUs:
+#   python data/fineweb/prepare.py                     # ~10B tokens, hours, once
+#   torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py
+# Expected (not yet measured in this repo): 8 x 64 x 1024 = 524,288 tokens per iteration, 19,000
+# iterations = 10B tokens, one pass over sample-10BT. At 50% MFU on 8 x H100 (~850 MFLOPs per token) that
+# is about 4.6M tokens/s, so roughly 40 minutes; on 8 x A100, about 2 hours. Val loss should end near 3.3,
+# where llm.c's GPT-2 (124M) ends on the same data (3.28). Fewer GPUs work unchanged: the gradient
+# accumulation steps (a multiple of the GPU count) keep the global batch.
+out_dir = "out-gpt2-124m"
+dataset = "fineweb"
+eval_interval = 500
+eval_iters = 40
+log_interval = 10
+wandb_project = "gpt2-124m"
+wandb_run_name = "gpt2-124m"
+
+batch_size = 64  # per GPU and micro-step; lower it (and raise the accumulation) if memory runs out
+block_size = 1024
+gradient_accumulation_steps = 8  # over all GPUs: 8 GPUs x 1 micro-step each
+
+n_layer = 12
+n_head = 12
+n_kv_head = 4  # GQA: 3 query heads per key/value head, a 3x smaller KV cache
+n_embd = 768
+dropout = 0.0
+
+learning_rate = 6e-4
+min_lr = 6e-5
+weight_decay = 0.1
+warmup_iters = 700
+max_iters = 19000

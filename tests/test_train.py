@@ -1,0 +1,428 @@
+"""Tests for train.py: errors a user sees, checkpoints, exact resume, signals, divergence, DDP, wandb, the
+learning-rate schedule and the optimizer groups.
+
+Runs use a tiny model on character-level Tiny Shakespeare prepared into a temporary folder (train.py reads
+data/<dataset> relative to its working directory), and run in-process through train.main() where a separate
+process is not the point of the test, since every process start costs seconds of `import torch`.
+"""
+
+import contextlib
+import glob
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import model as model_module
+import train
+from data.shakespeare_char import prepare as prepare_char
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN = os.path.join(ROOT, "train.py")
+TINY = ["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32", "--block_size=32",
+        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--compile=False", "--device=cpu",
+        "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4"]
+TIME_KEYS = {"time", "ms_per_iter", "tokens_per_sec", "mfu"}  # wall-clock figures, not reproducible
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run several times faster on one thread, and far faster on a machine busy with other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A working directory holding data/shakespeare_char (prepared from the text shipped with the repo)."""
+    path = tmp_path_factory.mktemp("work")
+    prepare_char.main(["--out_dir", str(path / "data" / "shakespeare_char")])
+    return path
+
+
+@contextlib.contextmanager
+def in_dir(path):
+    """Run train.main() in path and restore what it changes in the process: the cwd and the signal handlers."""
+    cwd, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(cwd)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
+def train_main(workdir, out_dir, *args):
+    with in_dir(workdir):
+        train.main(TINY + [f"--out_dir={out_dir}", *args])
+
+
+def records(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def without_times(recs):
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in recs]
+
+
+def load_ckpt(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), map_location="cpu", weights_only=True)
+
+
+def assert_one_line_error(result, *needles):
+    assert result.returncode == 1, (result.returncode, result.stderr)  # sys.exit("error: ...")
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(workdir, tmp_path_factory):
+    """A finished 30-iteration run (evaluated every 10): its out_dir, with ckpt.pt and metrics.jsonl."""
+    out_dir = str(tmp_path_factory.mktemp("trained"))
+    train_main(workdir, out_dir, "--max_iters=30", "--eval_interval=10", "--learning_rate=1e-2", "--min_lr=1e-3")
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors a user sees: one line, what to do, no traceback
+
+
+ERROR_RUNS = {"misspelled": ["--learnin_rate=1"], "no_data": TINY + ["--dataset=nope"]}
+
+
+@pytest.fixture(scope="module")
+def error_runs(workdir, tmp_path_factory):
+    """stderr and exit code of train.py for each of ERROR_RUNS, run side by side (each start costs seconds)."""
+    out_dir = str(tmp_path_factory.mktemp("errors"))
+    procs = {name: subprocess.Popen([sys.executable, TRAIN, *args, f"--out_dir={out_dir}"], cwd=workdir, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for name, args in ERROR_RUNS.items()}
+    try:
+        outputs = {name: proc.communicate(timeout=120) for name, proc in procs.items()}
+        return {name: subprocess.CompletedProcess(proc.args, proc.returncode, *outputs[name])
+                for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_misspelled_setting_is_a_one_line_error_suggesting_the_right_one(error_runs):
+    assert_one_line_error(error_runs["misspelled"], "learning_rate")
+
+
+def test_missing_dataset_gives_the_prepare_command(error_runs):
+    assert_one_line_error(error_runs["no_data"], "python data/nope/prepare.py")
+
+
+def test_resume_without_a_checkpoint_says_to_train_first(workdir, tmp_path):
+    with pytest.raises(train.TrainError) as e:
+        train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=2")
+    message = str(e.value)
+    assert "\n" not in message and os.path.join(str(tmp_path), "ckpt.pt") in message
+    assert "--init_from=scratch" in message and "train" in message
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0], ids=["half", "empty"])
+def test_truncated_checkpoint_is_a_one_line_error_naming_the_file(workdir, trained, tmp_path, keep):
+    path = os.path.join(str(tmp_path), "ckpt.pt")
+    with open(os.path.join(trained, "ckpt.pt"), "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data[:int(len(data) * keep)])
+    with pytest.raises(train.TrainError) as e:
+        train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=40")
+    message = str(e.value)
+    assert "\n" not in message and path in message and "truncated or corrupt" in message
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints and a short run
+
+
+def test_checkpoint_holds_everything_a_resume_needs(workdir, trained):
+    ckpt = load_ckpt(trained)
+    assert set(ckpt) >= {"model", "optimizers", "model_config", "settings", "meta", "iter_num", "best_val_loss", "loader"}
+    assert ckpt["iter_num"] == 30
+    config = GPTConfig(**ckpt["model_config"])
+    assert (config.vocab_size, config.n_layer, config.n_head, config.n_kv_head, config.n_embd) == (128, 1, 2, 1, 32)
+    GPT(config).load_state_dict(ckpt["model"])  # strict: every weight is there, with the right shape
+    assert len(ckpt["optimizers"]) == 1 and ckpt["optimizers"][0]["state"]  # AdamW, with its moments
+    assert ckpt["settings"]["max_iters"] == 30 and ckpt["settings"]["out_dir"] == trained
+    with open(os.path.join(workdir, "data", "shakespeare_char", "meta.json")) as f:
+        assert ckpt["meta"] == json.load(f)
+    val_losses = [r["val_loss"] for r in records(trained) if "val_loss" in r]
+    assert ckpt["best_val_loss"] == min(val_losses)
+    assert set(ckpt["loader"]) == {"epoch", "shard", "window"}
+    assert ckpt["loader"]["window"] == 30 * 4  # 30 iterations of batch_size 4 windows, one shard
+
+
+def test_val_loss_goes_down(trained):
+    val = [(r["iter"], r["val_loss"]) for r in records(trained) if "val_loss" in r]
+    assert [it for it, _ in val] == [0, 10, 20, 30]
+    assert val[0][1] > math.log(65)  # an untrained model: about ln(128) on the padded vocabulary
+    assert val[-1][1] < val[0][1] - 0.8, val
+    train_losses = [r["loss"] for r in records(trained) if "loss" in r]
+    assert len(train_losses) == 30 and all(math.isfinite(x) for x in train_losses)
+
+
+def test_a_run_from_scratch_starts_a_fresh_log(workdir, tmp_path):
+    out_dir = str(tmp_path)
+    train_main(workdir, out_dir, "--max_iters=3", "--eval_interval=2")
+    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2")
+    assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Exact resume, signals, divergence
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resumed_run_equals_uninterrupted_run(workdir, tmp_path, optimizer):
+    args = ["--dropout=0.2", "--eval_interval=2", "--lr_decay_iters=8", f"--optimizer={optimizer}"]
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    train_main(workdir, whole, *args, "--max_iters=8")
+    train_main(workdir, split, *args, "--max_iters=4")
+    assert load_ckpt(split)["iter_num"] == 4
+    train_main(workdir, split, *args, "--max_iters=8", "--init_from=resume")
+    expected, got = without_times(records(whole)), without_times(records(split))
+    assert [r["iter"] for r in expected if "loss" in r] == list(range(1, 9))
+    assert [r["iter"] for r in expected if "val_loss" in r] == [0, 2, 4, 6, 8]
+    assert got == expected  # exact: loss, lr, grad_norm, train_loss and val_loss of every record
+    a, b = load_ckpt(whole), load_ckpt(split)
+    assert a["loader"] == b["loader"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def logged_iterations(metrics):
+    """Iterations of the complete training records in metrics.jsonl so far (a line may be half-written)."""
+    if not os.path.exists(metrics):
+        return []
+    with open(metrics) as f:
+        return [json.loads(line)["iter"] for line in f if line.endswith("\n") and '"loss"' in line]
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_path):
+    out_dir, log_path = str(tmp_path / "out"), str(tmp_path / "output.txt")
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    with open(log_path, "w") as log:  # a file, not a pipe nobody reads while it runs
+        proc = subprocess.Popen([sys.executable, TRAIN, *TINY, f"--out_dir={out_dir}", "--max_iters=1000000",
+                                 "--eval_interval=1000000"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while len(logged_iterations(metrics)) < 3:  # handlers are installed before the first record
+            assert proc.poll() is None, open(log_path).read()
+            assert time.monotonic() < deadline, "no training iterations logged"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with open(log_path) as f:
+        output = f.read()
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    match = re.search(r"stopped by signal at iter (\d+); checkpoint saved to (\S+),", output)
+    assert match, output
+    stopped_at = int(match.group(1))
+    assert match.group(2) == os.path.join(out_dir, "ckpt.pt") and "--init_from=resume" in output
+    ckpt = load_ckpt(out_dir)  # weights_only=True
+    assert ckpt["iter_num"] == stopped_at >= 3
+    assert logged_iterations(metrics) == list(range(1, stopped_at + 1))  # log_interval=1: it logged each one
+
+    train_main(workdir, out_dir, "--init_from=resume", f"--max_iters={stopped_at + 2}", "--eval_interval=1000000")
+    assert logged_iterations(metrics) == list(range(1, stopped_at + 3))
+    assert load_ckpt(out_dir)["iter_num"] == stopped_at + 2
+
+
+def poison_loss_after(monkeypatch, n_good, ckpt_path):
+    """From training forward call n_good + 1 on, the loss is NaN; the checkpoint file's bytes (or None) at
+    the first NaN are recorded in the returned dict."""
+    forward, state = model_module.GPT.forward, {"calls": 0, "ckpt_at_nan": "not reached"}
+
+    def nan_forward(self, idx, targets=None, kv_cache=None):
+        logits, loss = forward(self, idx, targets, kv_cache)
+        if self.training and targets is not None:
+            state["calls"] += 1
+            if state["calls"] > n_good:
+                if state["ckpt_at_nan"] == "not reached":
+                    state["ckpt_at_nan"] = open(ckpt_path, "rb").read() if os.path.exists(ckpt_path) else None
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(model_module.GPT, "forward", nan_forward)
+    return state
+
+
+@pytest.mark.parametrize("log_interval", [1, 100], ids=["caught-in-train-log", "caught-in-eval"])
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_path, monkeypatch, log_interval):
+    out_dir = str(tmp_path)
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    # checkpoints at the evaluations of iterations 2 and 4; the step of iteration 5 makes the loss NaN, which the
+    # log at iteration 6 (log_interval 1) or the evaluation at iteration 6 (log_interval 100) finds
+    state = poison_loss_after(monkeypatch, 5, ckpt_path)
+    with pytest.raises(train.TrainError) as e:
+        train_main(workdir, out_dir, "--max_iters=20", "--eval_interval=2", f"--log_interval={log_interval}")
+    message = str(e.value)
+    assert "\n" not in message
+    assert "loss is nan at iter 6" in message and ckpt_path in message and "is kept" in message, message
+    assert state["ckpt_at_nan"] not in (None, "not reached")
+    with open(ckpt_path, "rb") as f:
+        assert f.read() == state["ckpt_at_nan"]
+    assert load_ckpt(out_dir)["iter_num"] == 4
+    assert all(math.isfinite(r.get("loss", 0)) and math.isfinite(r.get("val_loss", 0)) for r in records(out_dir))
+
+
+def test_nan_loss_before_any_checkpoint_says_none_was_saved(workdir, tmp_path, monkeypatch):
+    out_dir = str(tmp_path)
+    poison_loss_after(monkeypatch, 0, os.path.join(out_dir, "ckpt.pt"))
+    with pytest.raises(train.TrainError) as e:
+        train_main(workdir, out_dir, "--max_iters=20", "--eval_interval=1000")
+    message = str(e.value)
+    assert "loss is nan at iter 1" in message and "no checkpoint was saved" in message, message
+    assert not os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed, wandb
+
+
+def test_two_process_ddp_matches_one_process(workdir, tmp_path):
+    args = TINY + ["--dropout=0.0", "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2"]
+    ddp_dir, single_dir = str(tmp_path / "ddp"), str(tmp_path / "single")
+    log_path = str(tmp_path / "output.txt")
+    with open(log_path, "w") as log:
+        ddp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                TRAIN, *args, f"--out_dir={ddp_dir}"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
+                               env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        with in_dir(workdir):  # the reference run meanwhile, in this process
+            train.main(args + [f"--out_dir={single_dir}"])
+        ddp.wait(timeout=300)
+    finally:
+        if ddp.poll() is None:
+            ddp.kill()
+            ddp.wait()
+    with open(log_path) as f:
+        output = f.read()
+    assert ddp.returncode == 0, output
+    assert "2 process(es) on cpu" in output
+    expected, got = records(single_dir), records(ddp_dir)
+    assert [r["iter"] for r in got] == [r["iter"] for r in expected] == [0, 1, 2, 2, 3, 4, 4]
+    for e, g in zip(expected, got):
+        assert set(e) == set(g)
+        for key in ("loss", "val_loss", "train_loss", "grad_norm"):
+            if key in e:
+                assert abs(e[key] - g[key]) < 1e-4, (key, e, g)
+        if "lr" in e:
+            assert e["lr"] == g["lr"]
+
+
+def test_offline_wandb_run_writes_its_files(workdir, tmp_path, monkeypatch):
+    for key, value in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off").items():
+        monkeypatch.setenv(key, value)
+    out_dir = str(tmp_path)
+    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2", "--wandb_log=True")
+    run_dirs = glob.glob(os.path.join(out_dir, "wandb", "offline-run-*"))
+    assert len(run_dirs) == 1, os.listdir(out_dir)
+    assert glob.glob(os.path.join(run_dirs[0], "*.wandb"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Learning-rate schedule and optimizer groups
+
+
+def schedule(**overrides):
+    return dict(dict(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, max_iters=100, lr_decay_iters=0,
+                     lr_schedule="cosine", cooldown_frac=0.2), **overrides)
+
+
+def lr_at(it, settings):
+    return settings["learning_rate"] * train.lr_multiplier(it, settings)
+
+
+def test_lr_warmup_is_linear_from_lr_over_warmup_iters():
+    s = schedule()
+    for it in range(10):
+        assert lr_at(it, s) == pytest.approx(1e-3 * (it + 1) / 10)
+    assert lr_at(9, schedule(lr_schedule="wsd")) == pytest.approx(1e-3)
+    assert lr_at(0, schedule(lr_schedule="wsd")) == pytest.approx(1e-4)
+
+
+def test_lr_cosine_decays_to_min_lr_at_lr_decay_iters():
+    s = schedule()  # lr_decay_iters=0: decay over max_iters=100, after 10 warmup iterations
+    assert lr_at(10, s) == pytest.approx(1e-3)
+    assert lr_at(55, s) == pytest.approx((1e-3 + 1e-4) / 2)  # half way through the cosine: the mean
+    assert lr_at(32.5, s) == pytest.approx(1e-4 + 0.9e-3 * (1 + math.cos(math.pi / 4)) / 2)
+    assert lr_at(100, s) == pytest.approx(1e-4) and lr_at(250, s) == pytest.approx(1e-4)
+    lrs = [lr_at(it, s) for it in range(10, 101)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+    s = schedule(lr_decay_iters=50, max_iters=200)  # lr_decay_iters, when set, wins over max_iters
+    assert lr_at(30, s) == pytest.approx((1e-3 + 1e-4) / 2) and lr_at(50, s) == pytest.approx(1e-4)
+
+
+def test_lr_wsd_holds_then_cools_down_linearly_to_min_lr():
+    s = schedule(lr_schedule="wsd", lr_decay_iters=100, max_iters=200)  # cooldown: the last 20 of 100
+    for it in (10, 40, 79, 80):
+        assert lr_at(it, s) == pytest.approx(1e-3)
+    assert lr_at(90, s) == pytest.approx((1e-3 + 1e-4) / 2)
+    assert lr_at(95, s) == pytest.approx(1e-4 + 0.9e-3 / 4)
+    assert lr_at(100, s) == pytest.approx(1e-4) and lr_at(150, s) == pytest.approx(1e-4)
+
+
+def optimizer_setup(optimizer):
+    model = GPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, bias=True,
+                          tie_embeddings=False))
+    settings = dict(train.DEFAULTS, optimizer=optimizer, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay = {n for n in names.values() if n.endswith(".bias") or "norm" in n}
+    return model, settings, names, no_decay
+
+
+def group_names(group, names):
+    return {names[id(p)] for p in group["params"]}
+
+
+def test_make_optimizers_adamw_decays_matrices_only():
+    model, settings, names, no_decay = optimizer_setup("adamw")
+    (adamw,) = train.make_optimizers(model, settings, "cpu")
+    assert isinstance(adamw, torch.optim.AdamW)
+    decay = [g for g in adamw.param_groups if g["weight_decay"] == 0.1]
+    zero = [g for g in adamw.param_groups if g["weight_decay"] == 0.0]
+    assert len(decay) == len(zero) == 1 and len(adamw.param_groups) == 2
+    assert group_names(zero[0], names) == no_decay
+    assert group_names(decay[0], names) == set(names.values()) - no_decay
+    assert {"embed_tokens.weight", "lm_head.weight", "layers.0.mlp.up_proj.weight"} <= group_names(decay[0], names)
+    assert {"norm.weight", "layers.1.self_attn.q_norm.weight", "layers.0.mlp.down_proj.bias"} <= no_decay
+
+
+def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
+    model, settings, names, no_decay = optimizer_setup("muon")
+    adamw, muon = train.make_optimizers(model, settings, "cpu")
+    assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
+    block_matrices = {n for n in names.values() if n.startswith("layers.") and n not in no_decay}
+    assert len(block_matrices) == 2 * 7  # q, k, v, o, gate, up, down per layer
+    assert set().union(*(group_names(g, names) for g in muon.param_groups)) == block_matrices
+    adamw_groups = {g["weight_decay"]: group_names(g, names) for g in adamw.param_groups}
+    assert adamw_groups == {0.1: {"embed_tokens.weight", "lm_head.weight"}, 0.0: no_decay}
+    with pytest.raises(train.TrainError, match="optimizer"):
+        train.make_optimizers(model, dict(settings, optimizer="sgd"), "cpu")

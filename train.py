@@ -1,0 +1,454 @@
+"""
+Train a GPT on prepared token shards, on one CPU or GPU, or many through torchrun:
+
+    python train.py config/small.py                                   # one process
+    python train.py config/small.py --learning_rate=3e-4 --max_iters=500
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP on one node
+
+Settings are the DEFAULTS below, changed by config files and --key=value overrides (configurator.py).
+Every logged figure goes to out_dir/metrics.jsonl; checkpoints go to out_dir/ckpt.pt and resume exactly
+with --init_from=resume. Ctrl-C (SIGINT) or SIGTERM saves a checkpoint and exits.
+"""
+
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from configurator import ConfigError, configure
+from data.shards import DataError, ShardLoader, check_vocab, load_meta
+from model import GPT, GPTConfig
+
+DEFAULTS = dict(
+    # output and logging
+    out_dir="out",
+    eval_interval=250,  # evaluate (and checkpoint) every this many iterations
+    eval_iters=50,  # batches per split in each evaluation
+    log_interval=10,
+    always_save_checkpoint=True,  # else only when val loss improves
+    init_from="scratch",  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    wandb_log=False,
+    wandb_project="gpt",
+    wandb_run_name="run",
+    # data
+    dataset="shakespeare_char",  # a folder under data/
+    batch_size=12,  # sequences per micro-step and process
+    block_size=256,
+    gradient_accumulation_steps=1,  # micro-steps per optimizer step, over all processes together
+    # model (see GPTConfig)
+    vocab_size=0,  # 0: the dataset's, rounded up to a multiple of 64
+    n_layer=6,
+    n_head=6,
+    n_kv_head=6,
+    n_embd=384,
+    dropout=0.0,
+    bias=False,
+    mlp="swiglu",
+    mlp_hidden=0,
+    qk_norm=True,
+    rope_base=10000.0,
+    norm_eps=1e-5,
+    tie_embeddings=True,
+    # optimizer: AdamW for everything, or Muon for the matrices inside the blocks and AdamW for the rest
+    optimizer="adamw",  # "adamw" or "muon"
+    learning_rate=1e-3,
+    weight_decay=0.1,
+    beta1=0.9,
+    beta2=0.95,
+    grad_clip=1.0,  # 0: no clipping
+    # learning rate schedule: linear warmup, then cosine decay or warmup-stable-decay (wsd)
+    lr_schedule="cosine",  # "cosine" or "wsd"
+    max_iters=5000,
+    warmup_iters=100,
+    lr_decay_iters=0,  # 0: max_iters
+    min_lr=1e-4,
+    cooldown_frac=0.2,  # wsd: the final fraction of lr_decay_iters that decays linearly to min_lr
+    # system
+    device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda", "cuda:1"
+    dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
+    compile=True,  # torch.compile the model; used on CUDA only
+    peak_flops=0.0,  # the hardware's peak FLOP/s for MFU; 0: known GPUs are looked up, else no MFU
+    seed=1337,
+)
+MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "RTX 4090": 165e12}
+
+
+class TrainError(Exception):
+    """A problem the user can fix; the message is one line saying what to do."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Setup
+
+
+def setup_distributed(settings):
+    """(rank, world_size, device) for this process; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
+    device = settings["device"]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("cuda"):
+        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return rank, world_size, device
+
+
+def autocast_dtype(settings, device_type):
+    dtype = settings["dtype"]
+    if dtype == "auto":
+        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_checkpoint(path):
+    """The checkpoint dict; loaded with weights_only=True, so opening it never runs code."""
+    if not os.path.exists(path):
+        raise TrainError(f"no checkpoint at {path}; train one first with --init_from=scratch")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or corrupt files raise several kinds
+        raise TrainError(f"cannot read checkpoint {path} ({(str(e) or type(e).__name__).splitlines()[0]}); it is truncated or corrupt") from None
+
+
+def model_config(settings, meta, checkpoint):
+    """The GPTConfig: the checkpoint's when resuming, else from the settings and the dataset's vocabulary."""
+    if checkpoint is not None:
+        return GPTConfig(**checkpoint["model_config"])
+    vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)  # multiples of 64: faster matmuls
+    try:
+        return GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        raise TrainError(str(e).replace("GPTConfig.", "")) from None
+
+
+def make_optimizers(model, settings, device_type):
+    """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the
+    matrices inside the blocks, which it orthogonalizes, and AdamW the embedding, head, norms and biases."""
+    hidden_matrices, other_matrices, vectors = [], [], []
+    for name, param in model.named_parameters():
+        if param.dim() < 2:
+            vectors.append(param)
+        elif settings["optimizer"] == "muon" and name.startswith("layers."):
+            hidden_matrices.append(param)
+        else:
+            other_matrices.append(param)
+    groups = [dict(params=other_matrices, weight_decay=settings["weight_decay"]), dict(params=vectors, weight_decay=0.0)]
+    betas = (settings["beta1"], settings["beta2"])
+    adamw = torch.optim.AdamW(groups, lr=settings["learning_rate"], betas=betas, fused=device_type == "cuda")
+    if settings["optimizer"] == "adamw":
+        return [adamw]
+    if settings["optimizer"] != "muon":
+        raise TrainError(f"optimizer must be adamw or muon, got {settings['optimizer']!r}")
+    # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
+    muon = torch.optim.Muon(hidden_matrices, lr=settings["learning_rate"], weight_decay=settings["weight_decay"],
+                            adjust_lr_fn="match_rms_adamw")
+    return [adamw, muon]
+
+
+def lr_multiplier(it, settings):
+    """The learning rate at iteration it, as a fraction of learning_rate: linear warmup, then cosine or
+    warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after."""
+    warmup, decay_iters = settings["warmup_iters"], settings["lr_decay_iters"] or settings["max_iters"]
+    min_ratio = settings["min_lr"] / settings["learning_rate"]
+    if it < warmup:
+        return (it + 1) / warmup
+    if it >= decay_iters:
+        return min_ratio
+    if settings["lr_schedule"] == "wsd":
+        decay_start = decay_iters * (1 - settings["cooldown_frac"])
+        if it < decay_start:
+            return 1.0
+        return min_ratio + (1 - min_ratio) * (decay_iters - it) / (decay_iters - decay_start)
+    progress = (it - warmup) / max(1, decay_iters - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Evaluation, checkpoints and logging
+
+
+@torch.no_grad()
+def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
+    """Mean loss on eval_iters batches of each split, the same batches every time (a fixed seed), spread
+    over the processes."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        loader = ShardLoader(data_dir, split, settings["batch_size"], settings["block_size"], seed=0,
+                             rank=rank, world_size=world_size, device=device)
+        total = torch.zeros((), device=device)
+        n_batches = max(1, settings["eval_iters"] // world_size)
+        for _ in range(n_batches):
+            x, y = loader.next_batch()
+            with autocast:
+                total += model(x, y)[1].float()
+        if world_size > 1:
+            dist.all_reduce(total)
+        losses[split] = total.item() / (n_batches * world_size)
+    model.train()
+    return losses
+
+
+def save_checkpoint(path, checkpoint):
+    """torch.save to a temp file, then rename: a crash never leaves a half-written checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+class MetricsLog:
+    """Every logged figure, appended as one JSON line to out_dir/metrics.jsonl, and sent to wandb if on."""
+
+    def __init__(self, settings, start_iter):
+        self.path = os.path.join(settings["out_dir"], "metrics.jsonl")
+        self.drop_records_after(start_iter)
+        self.wandb = None
+        if settings["wandb_log"]:
+            import wandb  # only needed when asked for
+
+            self.wandb = wandb
+            wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
+                       dir=settings["out_dir"])
+
+    def drop_records_after(self, start_iter):
+        """A resumed run continues the log from its checkpoint: records of later iterations were made by the
+        run that was interrupted after that checkpoint, and this run makes them again. A run from scratch
+        (start_iter None) starts an empty log."""
+        if not os.path.exists(self.path):
+            return
+        if start_iter is None:
+            os.remove(self.path)
+            return
+        with open(self.path) as f:
+            records = [line for line in f if line.strip() and json.loads(line)["iter"] <= start_iter]
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(records)
+        os.replace(self.path + ".tmp", self.path)
+
+    def write(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log(record, step=record["iter"])
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+
+
+def peak_flops(settings, device_type):
+    if settings["peak_flops"] or device_type != "cuda":
+        return settings["peak_flops"] or None
+    name = torch.cuda.get_device_name()
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def main(argv):
+    settings = configure(DEFAULTS, argv)
+    rank, world_size, device = setup_distributed(settings)
+    master = rank == 0  # only it prints, logs and saves
+    device_type = device.split(":")[0]
+    ptdtype = autocast_dtype(settings, device_type)
+    autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    if settings["gradient_accumulation_steps"] % world_size:
+        raise TrainError(f"gradient_accumulation_steps ({settings['gradient_accumulation_steps']}) must be a "
+                         f"multiple of the number of processes ({world_size})")
+    micro_steps = settings["gradient_accumulation_steps"] // world_size
+
+    out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
+    ckpt_path = os.path.join(out_dir, "ckpt.pt")
+    if settings["init_from"] not in ("scratch", "resume"):
+        raise TrainError(f"init_from must be scratch or resume, got {settings['init_from']!r}")
+    checkpoint = load_checkpoint(ckpt_path) if settings["init_from"] == "resume" else None
+    meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
+    config = model_config(settings, meta, checkpoint)
+    check_vocab(data_dir, config.vocab_size)
+    if settings["block_size"] > config.block_size:
+        raise TrainError(f"block_size {settings['block_size']} exceeds the checkpoint's {config.block_size}")
+
+    torch.manual_seed(settings["seed"])  # the same init on every process
+    model = GPT(config).to(device)
+    optimizers = make_optimizers(model, settings, device_type)
+    loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
+                         rank=rank, world_size=world_size, device=device)
+    iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
+    if checkpoint is not None:
+        if checkpoint["settings"]["optimizer"] != settings["optimizer"]:
+            raise TrainError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
+                             f"resume with that optimizer")
+        model.load_state_dict(checkpoint["model"])
+        for optimizer, state in zip(optimizers, checkpoint["optimizers"]):
+            optimizer.load_state_dict(state)
+        loader.load_state_dict(checkpoint["loader"])
+        iter_num, best_val_loss, elapsed = checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["base_lr"] = settings["learning_rate"]
+    scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
+    raw_model = model
+    if settings["compile"] and device_type == "cuda":
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DDP(model, device_ids=[int(device.split(":")[1])] if device_type == "cuda" else None)
+
+    os.makedirs(out_dir, exist_ok=True)
+    log = MetricsLog(settings, iter_num if checkpoint else None) if master else None
+    stop_signal = []  # set by SIGINT/SIGTERM; the loop saves a checkpoint and stops at the next iteration
+
+    def request_stop(signum, frame):
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+    peak = peak_flops(settings, device_type)
+    tokens_per_iter = settings["batch_size"] * settings["block_size"] * settings["gradient_accumulation_steps"]
+    if master:
+        print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
+              f"{world_size} process(es) on {device}, {ptdtype}")
+    progress_bar = None
+    if master and sys.stdout.isatty():
+        from tqdm import tqdm
+
+        progress_bar = tqdm(total=settings["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True)
+
+    run_start, elapsed_before = time.perf_counter(), elapsed  # elapsed: wall-clock seconds over all resumes
+
+    def checkpoint_now():
+        return dict(model=raw_model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
+                    model_config=asdict(config), settings=settings, meta=meta, iter_num=iter_num,
+                    best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict())
+
+    def say(text):
+        (progress_bar.write if progress_bar else print)(text)
+
+    train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
+    steps_since_log, time_at_log = 0, time.perf_counter()
+    while True:
+        elapsed = elapsed_before + time.perf_counter() - run_start
+        stopping = iter_num >= settings["max_iters"] or should_stop(stop_signal, world_size, iter_num, settings, device)
+        evaluated_before_checkpoint = checkpoint is not None and iter_num == checkpoint["iter_num"]
+        if (iter_num % settings["eval_interval"] == 0 or stopping and not stop_signal) and not evaluated_before_checkpoint:
+            losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
+            check_finite(losses["val"], iter_num, ckpt_path)
+            time_at_log = time.perf_counter()  # keep evaluation out of the ms/iter figures
+            if master:
+                say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log.write(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start, train_loss=losses["train"], val_loss=losses["val"]))
+                if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:
+                    best_val_loss = min(best_val_loss, losses["val"])
+                    if iter_num > 0:
+                        save_checkpoint(ckpt_path, checkpoint_now())
+        if stopping:
+            if stop_signal and master:
+                save_checkpoint(ckpt_path, checkpoint_now())
+                say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, "
+                    "continue with --init_from=resume")
+            break
+
+        # One optimizer step: micro_steps forward/backward passes, gradients all-reduced on the last only.
+        # The random state is a function of (seed, rank, iteration), so a resumed run draws the same dropout.
+        torch.manual_seed(settings["seed"] + 1_000_003 * rank + iter_num)
+        for micro_step in range(micro_steps):
+            x, y = loader.next_batch()
+            last = micro_step == micro_steps - 1
+            with model.no_sync() if world_size > 1 and not last else contextlib.nullcontext():
+                with autocast:
+                    _, loss = model(x, y)
+                scaler.scale(loss / micro_steps).backward()
+            train_loss += loss.detach().float() / micro_steps
+        for optimizer in optimizers:
+            scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), settings["grad_clip"] or float("inf"))
+        lr_scale = lr_multiplier(iter_num, settings)
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["base_lr"] * lr_scale
+            scaler.step(optimizer)
+        scaler.update()
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        steps_since_log += 1
+        if progress_bar:
+            progress_bar.update(1)
+
+        if iter_num % settings["log_interval"] == 0 or iter_num == settings["max_iters"]:
+            if world_size > 1:
+                dist.all_reduce(train_loss)
+                train_loss /= world_size
+            mean_loss = train_loss.item() / steps_since_log  # .item() waits for the GPU: once per log
+            check_finite(mean_loss, iter_num, ckpt_path)
+            now = time.perf_counter()
+            elapsed = elapsed_before + now - run_start
+            ms_per_iter = 1000 * (now - time_at_log) / steps_since_log
+            record = dict(iter=iter_num, time=elapsed, loss=mean_loss, lr=settings["learning_rate"] * lr_scale,
+                          grad_norm=grad_norm.item(), ms_per_iter=ms_per_iter,
+                          tokens_per_sec=tokens_per_iter * 1000 / ms_per_iter)
+            if peak:
+                record["mfu"] = raw_model.estimate_mfu(record["tokens_per_sec"], peak * world_size, settings["block_size"])
+            if master:
+                log.write(record)
+                figures = f"loss {mean_loss:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, " \
+                          f"{ms_per_iter:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s" + \
+                          (f", MFU {100 * record['mfu']:.1f}%" if peak else "")
+                if progress_bar:
+                    progress_bar.set_postfix_str(figures)
+                else:
+                    print(f"iter {iter_num}: {figures}")
+            train_loss.zero_()
+            steps_since_log, time_at_log = 0, time.perf_counter()
+
+    if progress_bar:
+        progress_bar.close()
+    if master:
+        log.close()
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def should_stop(stop_signal, world_size, iter_num, settings, device):
+    """Whether a signal asked to stop. Under DDP all processes must stop at the same iteration, so they
+    agree through an all-reduce, done only at log iterations to spare a sync per step."""
+    if world_size == 1:
+        return bool(stop_signal)
+    if iter_num % settings["log_interval"] != 0:
+        return False
+    flag = torch.tensor(float(bool(stop_signal)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not stop_signal:
+        stop_signal.append(signal.SIGTERM)
+    return bool(flag.item())
+
+
+def check_finite(loss, iter_num, ckpt_path):
+    if not math.isfinite(loss):
+        kept = f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path) else "no checkpoint was saved"
+        raise TrainError(f"loss is {loss} at iter {iter_num}: training diverged and stops; {kept}. "
+                         "Lower learning_rate, raise warmup_iters or set grad_clip")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError, TrainError) as e:
+        sys.exit(f"error: {e}")
