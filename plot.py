@@ -1,0 +1,114 @@
+"""
+Draw the loss curves of one or more training runs into a PNG, to compare runs at a glance:
+
+    python plot.py out-small                          # writes losses.png
+    python plot.py out-a out-b --out compare.png --logy
+
+Reads each out_dir's metrics.jsonl (written by train.py). Left panel: loss vs iteration; right panel: loss vs
+wall-clock seconds (evaluation included, summed over resumes). One colour per run: the training loss as a
+thin line, the val loss as markers on a line. Works on a run still in progress.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+import matplotlib.ticker
+
+matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
+import matplotlib.pyplot as plt
+
+
+class PlotError(Exception):
+    """A problem the user can fix; the message is one line saying what to do."""
+
+
+def read_metrics(out_dir):
+    """(train, val): the run's training records and evaluation records, in file order."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise PlotError(f"no {path}; train a run there first, e.g. python train.py config/small.py --out_dir={out_dir}")
+    with open(path) as f:
+        lines = f.readlines()
+    train, val = [], []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not line.endswith("\n"):
+                continue  # the last line of a running run, being written right now
+            raise PlotError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        if not is_record(record):
+            raise PlotError(f"{path}, line {lineno}: not a metrics record (needs iter, time and loss or val_loss)")
+        (val if "val_loss" in record else train).append(record)
+    if not train and not val:
+        raise PlotError(f"{path} has no records; let the run get to its first log or evaluation")
+    return train, val
+
+
+def is_record(record):
+    """A training record (iter, time, loss, ...) or an evaluation record (iter, time, train_loss, val_loss)."""
+    if not isinstance(record, dict):
+        return False
+    keys = ("iter", "time", "val_loss" if "val_loss" in record else "loss")
+    return all(isinstance(record.get(key), (int, float)) and not isinstance(record[key], bool) for key in keys)
+
+
+def draw(runs, logy=False):
+    """The figure for runs, a dict {label: (train, val)}: loss vs iteration and vs wall-clock seconds."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for i, (label, (train, val)) in enumerate(runs.items()):
+        color = f"C{i % 10}"  # the default colour cycle
+        for ax, x in zip(axes, ("iter", "time")):
+            ax.plot([r[x] for r in train], [r["loss"] for r in train], color=color, lw=0.8, alpha=0.6,
+                    label=f"{label} train")
+            ax.plot([r[x] for r in val], [r["val_loss"] for r in val], color=color, lw=1.5, marker="o", ms=4,
+                    label=f"{label} val")
+    for ax, xlabel in zip(axes, ("iteration", "wall-clock seconds")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("loss")
+        if logy:
+            ax.set_yscale("log")
+            for set_formatter in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                set_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))  # 3, not 3x10^0
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
+def save(fig, path):
+    """Write the PNG to a temp file, then rename: a viewer never sees a half-written image."""
+    tmp = path + ".tmp"
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise PlotError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
+
+
+def main(argv):
+    """Draws and saves the figure, and returns it (closed, but its lines still hold the plotted data)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out_dirs", nargs="+", help="run folders holding a metrics.jsonl")
+    parser.add_argument("--out", default="losses.png", help="the PNG to write (default: losses.png)")
+    parser.add_argument("--logy", action="store_true", help="log-scale loss axis")
+    args = parser.parse_args(argv)
+    runs = {os.path.normpath(d): read_metrics(d) for d in args.out_dirs}  # labels as typed: a/out and b/out differ
+    fig = draw(runs, args.logy)
+    save(fig, args.out)
+    print(args.out)
+    return fig
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except PlotError as e:
+        sys.exit(f"error: {e}")
