@@ -148,6 +148,12 @@ class KVCache:
         self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def select_rows(self, rows):
+        """Keep the batch rows `rows` (indices, in order; a repeated index copies its row): share one
+        prompt's prefill among several samples, or drop the samples that have finished."""
+        rows = torch.as_tensor(rows, device=self.k.device)
+        self.k, self.v = self.k[:, rows], self.v[:, rows]
+
     def truncate(self, length):
         """Forget every position from `length` on (e.g. speculated tokens that were rejected)."""
         if not 0 <= length <= self.pos:

@@ -1,0 +1,626 @@
+"""Tests for sample.py: end to end runs, the KV cache against recomputation, speculative decoding (greedy
+token for token, and sampling in distribution), the errors a user sees, BPE streaming, stops and prompts.
+
+The checkpoints are made here, not by train.py, in well under a second: tiny character-level GPTs with
+random weights (sharp enough that greedy output varies with the whole context; briefly trained models only
+repeat "the the"), and a BPE (gpt2 tokenizer) model whose weights are set by hand so that its greedy output
+is a known string.
+Runs go through sample.main() in-process where a separate process is not the point, since every process
+start costs seconds of `import torch`.
+"""
+
+import io
+import math
+import os
+import re
+import runpy
+import subprocess
+import sys
+from dataclasses import asdict
+from statistics import NormalDist
+
+import pytest
+import tiktoken
+import torch
+
+import sample
+from configurator import ConfigError
+from model import GPT, GPTConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SAMPLE = os.path.join(ROOT, "sample.py")
+BLOCK = 64  # block_size of the character models
+PROMPT = "ROMEO:\nWhat"
+SPEED = re.compile(r"^(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\)")
+ACCEPTANCE = re.compile(r"draft acceptance rate ([\d.]+)% \((\d+)/(\d+)\)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run several times faster on one thread, and far faster on a machine busy with other work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(path, model, meta):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}, path)
+
+
+def random_char_model(seed, std, like=None):
+    """A random character GPT (vocabulary padded to 128 past the tokenizer's 65, as train.py pads), with
+    untied weights of standard deviation std: sharp distributions that depend on the whole context, so that
+    greedy output varies instead of repeating one character. With like: that model's weights plus noise."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(vocab_size=128, block_size=BLOCK, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                              tie_embeddings=False))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 2:
+                    param.normal_(0, std)
+                    if like is not None:
+                        param.add_(like.get_parameter(name))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """Paths of: a target character model and a draft (the target's weights plus noise: they agree often but
+    not always) with the same meta; a draft with another vocabulary (the same characters in another order);
+    a truncated ckpt.pt; a draft with a smaller block_size."""
+    root = tmp_path_factory.mktemp("ckpts")
+    with open(os.path.join(ROOT, "data", "shakespeare", "input.txt"), encoding="utf-8") as f:
+        chars = sorted(set(f.read()))
+    assert len(chars) == 65
+    meta = {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars}
+    target = random_char_model(0, 0.4)
+    draft = random_char_model(1, 0.04, like=target)
+    paths = {name: str(root / name / "ckpt.pt") for name in ("target", "draft", "other_vocab", "truncated")}
+    save_checkpoint(paths["target"], target, meta)
+    save_checkpoint(paths["draft"], draft, meta)
+    save_checkpoint(paths["other_vocab"], draft, dict(meta, chars=chars[::-1]))
+    with open(paths["target"], "rb") as f:
+        data = f.read()
+    os.makedirs(os.path.dirname(paths["truncated"]))
+    with open(paths["truncated"], "wb") as f:
+        f.write(data[:len(data) // 2])
+    small = GPT(GPTConfig(**dict(asdict(draft.config), block_size=16)))
+    small.load_state_dict(draft.state_dict())
+    paths["small_block_draft"] = str(root / "small_block_draft" / "ckpt.pt")
+    save_checkpoint(paths["small_block_draft"], small, meta)
+    paths["dir"] = str(root / "target")  # out_dir may be the folder as well as the file
+    paths["meta"], paths["model"] = meta, target
+    return paths
+
+
+def run(capsys, *argv):
+    """stdout and stderr of sample.main(argv)."""
+    capsys.readouterr()
+    sample.main(list(argv))
+    return capsys.readouterr()
+
+
+def greedy(capsys, ckpts, prompt, n, *extra):
+    return run(capsys, f"--out_dir={ckpts['target']}", f"--prompt={prompt}", "--temperature=0",
+               f"--max_new_tokens={n}", *extra)
+
+
+def reference_greedy(model, meta, prompt, n):
+    """Greedy decoding by recomputing the whole context every step, with the window policy the docstring of
+    sample.py describes: once the context would pass block_size, it restarts from its last block_size // 2."""
+    chars = meta["chars"]
+    tokens, start = [chars.index(c) for c in prompt], 0
+    with torch.no_grad():
+        for _ in range(n):
+            if len(tokens) - start > model.config.block_size:
+                start = len(tokens) - model.config.block_size // 2
+            logits, _ = model(torch.tensor([tokens[start:]]))
+            tokens.append(int(logits[0, -1, :meta["vocab_size"]].argmax()))
+    return "".join(chars[t] for t in tokens)
+
+
+# ----------------------------------------------------------------------------------------------------
+# sample.py runs in separate processes
+
+
+class Processes:
+    """sample.py runs in separate processes, started together and early (each start costs seconds of CPU
+    that another core can spend while the in-process tests run); result(name) waits for one."""
+
+    def __init__(self, runs, cwd):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+        self.procs = {name: subprocess.Popen([sys.executable, SAMPLE, *args], cwd=cwd, text=True, encoding="utf-8",
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                      for name, args in runs.items()}
+
+    def result(self, name):
+        proc = self.procs[name]
+        stdout, stderr = proc.communicate(timeout=120)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    def kill(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes(ckpts, tmp_path_factory):
+    processes = Processes({
+        "ok": [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--seed=7", "--max_new_tokens=40",
+               "--temperature=0.9"],
+        "unknown_char": [f"--out_dir={ckpts['dir']}", "--prompt=caf\u00e9 ~"],
+    }, cwd=tmp_path_factory.mktemp("cwd"))
+    yield processes
+    processes.kill()
+
+
+def test_folder_and_file_paths_of_a_checkpoint_give_the_same_sample(ckpts, capsys):
+    args = [f"--prompt={PROMPT}", "--max_new_tokens=20", "--seed=3"]
+    assert run(capsys, f"--out_dir={ckpts['dir']}", *args).out == run(capsys, f"--out_dir={ckpts['target']}", *args).out
+
+
+# ----------------------------------------------------------------------------------------------------
+# The KV cache against recomputing the whole context
+
+
+@pytest.mark.parametrize("num_samples", [1, 3])
+def test_cached_greedy_equals_no_kv_cache_and_a_naive_loop(ckpts, capsys, num_samples):
+    n = BLOCK - len(PROMPT)  # prompt + new tokens fill block_size exactly: no window slide yet
+    cached = greedy(capsys, ckpts, PROMPT, n, f"--num_samples={num_samples}").out
+    uncached = greedy(capsys, ckpts, PROMPT, n, f"--num_samples={num_samples}", "--no_kv_cache").out
+    assert cached == uncached
+    expected = reference_greedy(ckpts["model"], ckpts["meta"], PROMPT, n)
+    assert len(set(expected[len(PROMPT):])) > 3
+    assert cached == sample.SEPARATOR.join([expected] * num_samples) + "\n"  # every sample: the prompt's cache
+
+
+def test_greedy_past_block_size_slides_the_window(ckpts, capsys):
+    n = 2 * BLOCK + 5  # the window slides three times
+    out = greedy(capsys, ckpts, PROMPT, n).out
+    assert len(out) == len(PROMPT) + n + 1
+    assert out == reference_greedy(ckpts["model"], ckpts["meta"], PROMPT, n) + "\n"
+
+
+def test_sampling_past_block_size_completes_every_sample(ckpts, capsys):
+    n = 2 * BLOCK + 5
+    result = run(capsys, f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", f"--max_new_tokens={n}",
+                 "--num_samples=3", "--temperature=1.0")
+    texts = result.out[:-1].split(sample.SEPARATOR)
+    assert len(texts) == 3
+    assert all(t.startswith(PROMPT) and len(t) == len(PROMPT) + n for t in texts)
+    assert len(set(texts)) == 3  # the samples are drawn independently
+    assert SPEED.match(result.err.strip().splitlines()[-1]).group(1) == str(3 * n)
+
+
+def test_a_prompt_one_short_of_block_size_decodes(ckpts, capsys):
+    prompt = (PROMPT * 10)[:BLOCK - 1]
+    out = greedy(capsys, ckpts, prompt, 10).out
+    assert out == reference_greedy(ckpts["model"], ckpts["meta"], prompt, 10) + "\n"
+
+
+def test_top_k_1_a_tiny_top_p_and_a_tiny_temperature_are_greedy(ckpts, capsys):
+    n = 30
+    expected = greedy(capsys, ckpts, PROMPT, n).out
+    args = [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", f"--max_new_tokens={n}"]
+    assert run(capsys, *args, "--temperature=1.0").out != expected  # sampling would differ
+    for extra in (["--top_k=1"], ["--top_p=1e-6"], ["--top_k=3", "--top_p=1e-6"]):
+        assert run(capsys, *args, "--temperature=1.5", *extra).out == expected, extra
+    assert run(capsys, *args, "--temperature=1e-4").out == expected
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speculative decoding, end to end
+
+
+@pytest.mark.parametrize("draft_k", [1, 3, 7])
+def test_speculative_greedy_equals_plain_greedy_token_for_token(ckpts, capsys, draft_k):
+    n = 2 * BLOCK + 9  # past block_size: both slide their windows
+    plain = greedy(capsys, ckpts, PROMPT, n).out
+    spec = greedy(capsys, ckpts, PROMPT, n, f"--draft={ckpts['draft']}", f"--draft_k={draft_k}")
+    assert spec.out == plain
+    rate, accepted, proposed = ACCEPTANCE.search(spec.err).groups()
+    accepted, proposed = int(accepted), int(proposed)
+    assert 0 < accepted < proposed  # the draft is right sometimes, not always: both paths ran
+    assert float(rate) == pytest.approx(100 * accepted / proposed, abs=0.051)
+
+
+def test_speculative_greedy_within_block_size_equals_plain_greedy(ckpts, capsys):
+    n = BLOCK - len(PROMPT)
+    plain = greedy(capsys, ckpts, PROMPT, n).out
+    assert greedy(capsys, ckpts, PROMPT, n, f"--draft={ckpts['draft']}", "--draft_k=4").out == plain
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(ckpts, capsys):
+    spec = greedy(capsys, ckpts, PROMPT, 40, f"--draft={ckpts['target']}", "--draft_k=5")
+    assert spec.out == greedy(capsys, ckpts, PROMPT, 40).out
+    rate, accepted, proposed = ACCEPTANCE.search(spec.err).groups()
+    assert accepted == proposed and int(proposed) > 0 and float(rate) == 100.0
+
+
+def test_speculative_sampling_is_reproducible_and_complete(ckpts, capsys):
+    args = [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", f"--draft={ckpts['draft']}", "--max_new_tokens=50",
+            "--temperature=1.0", "--num_samples=2"]
+    first = run(capsys, *args, "--seed=5").out
+    texts = first[:-1].split(sample.SEPARATOR)
+    assert len(texts) == 2 and all(t.startswith(PROMPT) and len(t) == len(PROMPT) + 50 for t in texts)
+    assert run(capsys, *args, "--seed=5").out == first
+    assert run(capsys, *args, "--seed=6").out != first
+
+
+def test_a_prompt_too_long_for_the_draft_is_a_one_line_error(ckpts, capsys, monkeypatch):
+    """The draft reads at most 16 tokens: a 40-token prompt fits the target, not the draft."""
+    prompt = (PROMPT * 10)[:40]
+    draft = ckpts["small_block_draft"]
+    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", f"--prompt={prompt}", f"--draft={draft}")
+    assert "40 tokens" in message and draft in message and "block_size=16" in message
+    # a prompt the draft can read: speculative decoding past the draft's block_size completes
+    out = greedy(capsys, ckpts, prompt[:12], 50, f"--draft={draft}").out
+    assert out.startswith(prompt[:12]) and len(out) == 12 + 50 + 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Speculative sampling reproduces the target's distribution
+
+
+V = 8  # vocabulary of the random models
+
+
+def random_gpt(seed, std):
+    """A tiny random GPT whose weights have standard deviation std: larger std, peakier distributions."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                              qk_norm=False, mlp="relu2"))
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() == 2:
+                    param.normal_(0, std)
+    return model.eval()
+
+
+def chi_square_threshold(df, alpha):
+    """The 1 - alpha quantile of the chi-square distribution with df degrees of freedom (Wilson-Hilferty)."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts, probs, min_expected=5.0):
+    """Pearson's statistic of counts against probs, cells expecting fewer than min_expected pooled; and df."""
+    n = counts.sum()
+    expected = n * probs
+    small = expected < min_expected
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+
+SPEC_PROMPT = [3]  # one token: the caches start empty, and a stale cache entry weighs the most
+
+
+def spec_models():
+    """A target and a draft that differ a lot (the draft is flatter, and seeded differently)."""
+    return random_gpt(1, 0.35), random_gpt(2, 0.2)
+
+
+def first_two_token_probs(model, prompt):
+    """The model's own probabilities of the first token (V,) and of the first two tokens (V * V,), computed
+    directly: one forward for the first, one batch of V continuations for the second."""
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt]))[0][0, -1].double(), -1)
+        second = torch.softmax(model(torch.tensor([prompt + [x] for x in range(V)]))[0][:, -1].double(), -1)
+    return first, (first[:, None] * second).flatten()
+
+
+def speculative_counts(target, draft, prompt, k, trials, seed):
+    """Counts (V * V,) of the first two new tokens over `trials` runs of speculative steps from the prompt,
+    and the number of steps taken. Both caches are prefilled once and truncated back after each run."""
+    settings = dict(temperature=1.0, top_k=None, top_p=None)
+    generator = torch.Generator().manual_seed(seed)
+    target_cache, _ = sample.prefill(target, torch.tensor([prompt]), target.config.block_size)
+    draft_cache, _ = sample.prefill(draft, torch.tensor([prompt]), draft.config.block_size)
+    start = target_cache.pos
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    steps = 0
+    for _ in range(trials):
+        tokens = list(prompt)
+        while len(tokens) < len(prompt) + 2:  # a rejection at the first proposal gives one token: step again
+            new, accepted = sample.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
+                                                    generator)
+            assert 1 <= len(new) <= k + 1 and accepted == len(new) - 1
+            tokens += new
+            steps += 1
+        counts[tokens[len(prompt)] * V + tokens[len(prompt) + 1]] += 1
+        target_cache.truncate(start)
+        draft_cache.truncate(start)
+    return counts, steps
+
+
+ALPHA = 1e-6  # the seeds are fixed; this is the chance that they were unlucky, were the code right
+
+
+@pytest.mark.parametrize("k, trials", [(1, 1500), (2, 1000)])
+def test_speculative_sampling_reproduces_the_target_distribution(k, trials):
+    """The first two tokens after a prompt, over many speculative steps, are distributed as the target
+    samples them. The first token tests the acceptance rule and the replacement distribution; the pair also
+    tests the bonus token drawn when every proposal is accepted (k=1), the next proposal's verification (k=2),
+    and both caches rolled back after a rejection (a rejection of the first proposal needs a second step,
+    which reads both caches)."""
+    target, draft = spec_models()
+    p1, p12 = first_two_token_probs(target, SPEC_PROMPT)
+    q1, q12 = first_two_token_probs(draft, SPEC_PROMPT)
+    # the draft must differ from the target a lot, or a wrong acceptance rule would go unnoticed
+    assert 0.5 * (p1 - q1).abs().sum() > 0.25 and 0.5 * (p12 - q12).abs().sum() > 0.35
+    counts, steps = speculative_counts(target, draft, SPEC_PROMPT, k, trials, seed=1234 + k)
+    assert trials * 1.1 < steps < trials * 1.9  # some runs took one step, some two
+    stat, df = chi_square(counts.view(V, V).sum(1), p1)
+    assert stat < chi_square_threshold(df, ALPHA / 2), f"first token: chi-square {stat:.1f} on {df} df"
+    stat, df = chi_square(counts, p12)
+    assert stat < chi_square_threshold(df, ALPHA / 2), f"first two tokens: chi-square {stat:.1f} on {df} df"
+
+
+def test_the_distribution_test_sees_the_draft_distribution():
+    """Sanity of the statistics above: as many draws from the draft's distribution fail them (so would a rule
+    that accepted every proposal), and draws from the target's pass."""
+    target, draft = spec_models()
+    p1, p12 = first_two_token_probs(target, SPEC_PROMPT)
+    q1, q12 = first_two_token_probs(draft, SPEC_PROMPT)
+    generator = torch.Generator().manual_seed(0)
+    for p, q in ((p1, q1), (p12, q12)):
+        from_q = torch.bincount(torch.multinomial(q, 1000, replacement=True, generator=generator), minlength=len(p))
+        from_p = torch.bincount(torch.multinomial(p, 1000, replacement=True, generator=generator), minlength=len(p))
+        stat, df = chi_square(from_q.double(), p)
+        assert stat > chi_square_threshold(df, ALPHA / 2)
+        stat, df = chi_square(from_p.double(), p)
+        assert stat < chi_square_threshold(df, ALPHA / 2)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
+    """What speculative_step promises its caller: after every step the target's cache holds exactly the
+    tokens but the last, and the draft's cache a prefix of them; the same keys a fresh prefill computes."""
+    target, draft = spec_models()
+    settings = dict(temperature=1.0, top_k=None, top_p=None)
+    generator = torch.Generator().manual_seed(k)
+    block_size = target.config.block_size
+    n_rejected = n_all_accepted = 0
+    for prompt in ([3], [3, 1, 4]):
+        tokens = list(prompt)
+        target_cache, _ = sample.prefill(target, torch.tensor([tokens]), block_size)
+        draft_cache, _ = sample.prefill(draft, torch.tensor([tokens]), block_size)
+        while len(tokens) + k <= block_size:
+            new, accepted = sample.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
+                                                    generator)
+            n_rejected, n_all_accepted = n_rejected + (accepted < k), n_all_accepted + (accepted == k)
+            tokens += new
+            assert target_cache.pos == len(tokens) - 1
+            assert draft_cache.pos <= len(tokens) - 1
+            for model, cache in ((target, target_cache), (draft, draft_cache)):
+                fresh = model.new_kv_cache(1, block_size)
+                with torch.no_grad():
+                    model.hidden_states(torch.tensor([tokens[:cache.pos]]), fresh)
+                for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
+                    torch.testing.assert_close(mine[:, :, :, :cache.pos], theirs[:, :, :, :cache.pos], atol=1e-5, rtol=0)
+    assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors a user sees: one line, what to do, no traceback
+
+
+def script_error(monkeypatch, *argv):
+    """The message sample.py run as a script exits with, for argv (it must exit, with a message)."""
+    monkeypatch.setattr(sys, "argv", [SAMPLE, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(SAMPLE, run_name="__main__")
+    message = e.value.code
+    assert isinstance(message, str), message  # a string exit code: printed to stderr, exit status 1
+    assert message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+BAD_INPUTS = {  # name: (arguments, words the message must contain)
+    "max_new_tokens_0": (["--max_new_tokens=0"], ["max_new_tokens"]),
+    "max_new_tokens_negative": (["--max_new_tokens=-3"], ["max_new_tokens", "-3"]),
+    "num_samples_0": (["--num_samples=0"], ["num_samples"]),
+    "top_k_0": (["--top_k=0"], ["top_k"]),
+    "top_k_text": (["--top_k=many"], ["top_k", "many"]),
+    "top_p_0": (["--top_p=0"], ["top_p"]),
+    "top_p_1.5": (["--top_p=1.5"], ["top_p", "1.5"]),
+    "temperature_negative": (["--temperature=-1"], ["temperature"]),
+    "draft_k_0": (["--draft_k=0"], ["draft_k"]),
+    "empty_stop": (["--stop="], ["stop"]),
+    "unknown_setting": (["--temperatur=0.5"], ["temperatur", "did you mean 'temperature'"]),
+    "unknown_characters": (["--prompt=na\u00efve \u20ac5 ~"], ["\u00ef", "\u20ac", "~"]),
+    "empty_prompt": (["--prompt="], ["prompt"]),
+    "prompt_longer_than_block_size": ([f"--prompt={'a' * BLOCK}"], [f"{BLOCK} tokens", f"block_size={BLOCK}"]),
+    "missing_prompt_file": (["--prompt=FILE:/nonexistent/prompt.txt"], ["/nonexistent/prompt.txt"]),
+    "bad_dtype": (["--dtype=float8"], ["dtype", "float8"]),
+}
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_a_one_line_error(ckpts, monkeypatch, name):
+    args, needles = BAD_INPUTS[name]
+    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", *args)
+    assert all(needle in message for needle in needles), message
+
+
+def test_no_checkpoint_says_how_to_train_one(monkeypatch, tmp_path):
+    message = script_error(monkeypatch, f"--out_dir={tmp_path / 'nothing'}")
+    assert "no checkpoint" in message and str(tmp_path / "nothing") in message and "python train.py" in message
+
+
+def test_a_truncated_checkpoint_says_so(ckpts, monkeypatch):
+    message = script_error(monkeypatch, f"--out_dir={ckpts['truncated']}")
+    assert "truncated or corrupt" in message and ckpts["truncated"] in message
+
+
+@pytest.mark.parametrize("draft", ["other_vocab", "truncated", "missing"])
+def test_a_bad_draft_is_a_one_line_error(ckpts, monkeypatch, tmp_path, draft):
+    path = ckpts.get(draft, str(tmp_path / "missing"))
+    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", f"--draft={path}", f"--prompt={PROMPT}")
+    assert {"other_vocab": "draft", "truncated": "truncated", "missing": "no checkpoint"}[draft] in message
+    assert path in message
+
+
+def test_errors_come_before_any_output(ckpts, capsys):
+    with pytest.raises(ConfigError):
+        sample.main([f"--out_dir={ckpts['target']}", "--max_new_tokens=ten"])
+    with pytest.raises(sample.SampleError):
+        sample.main([f"--out_dir={ckpts['target']}", f"--draft={ckpts['other_vocab']}"])
+    assert capsys.readouterr().out == ""
+
+
+# ----------------------------------------------------------------------------------------------------
+# BPE: streaming decode of characters split across tokens
+
+
+TEXT = "Hi caf\u00e9 na\u00efve \u2014 \U0001F44B\U0001F3FD \u65e5\u672c\u8a9e \U0001F389 done."
+
+
+def test_bpe_streaming_decode_never_prints_a_broken_character():
+    enc = tiktoken.get_encoding("gpt2")
+    tokens = enc.encode(TEXT)
+
+    def whole(token):
+        try:
+            enc.decode_single_token_bytes(token).decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    assert not all(whole(t) for t in tokens)  # some character is split across tokens: the case under test
+    decode = sample.Tokenizer({"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}).decoder()
+    pieces = [decode(t) for t in tokens]
+    assert "".join(pieces) == TEXT
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+@pytest.fixture(scope="module")
+def bpe_ckpt(tmp_path_factory):
+    """A gpt2-tokenizer model whose greedy continuation of TEXT's first token is the rest of TEXT, then
+    end-of-text: each token's embedding is its own axis, the blocks add nothing (zero output projections),
+    and the output head maps token i's axis to token i + 1."""
+    enc = tiktoken.get_encoding("gpt2")
+    chain = enc.encode(TEXT) + [enc.eot_token]
+    assert len(set(chain)) == len(chain) <= 32
+    config = GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=32,
+                       tie_embeddings=False)
+    model = GPT(config)
+    with torch.no_grad():
+        model.embed_tokens.weight.zero_()
+        model.lm_head.weight.zero_()
+        for layer in model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for i, (token, following) in enumerate(zip(chain, chain[1:])):
+            model.embed_tokens.weight[token, i] = 1.0
+            model.lm_head.weight[following, i] = 10.0
+    path = str(tmp_path_factory.mktemp("bpe") / "ckpt.pt")
+    save_checkpoint(path, model, {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256})
+    return path, enc.decode(chain[:1])
+
+
+def test_bpe_samples_end_at_end_of_text_and_are_separated(bpe_ckpt, capsys):
+    path, prompt = bpe_ckpt
+    assert TEXT.startswith(prompt) and prompt != TEXT
+    result = run(capsys, f"--out_dir={path}", f"--prompt={prompt}", "--num_samples=3", "--max_new_tokens=100",
+                 "--temperature=1.0", "--top_p=0.9")
+    assert result.out == sample.SEPARATOR.join([TEXT] * 3) + "\n"
+
+
+def test_bpe_empty_prompt_starts_a_new_document(bpe_ckpt, capsys):
+    path, _ = bpe_ckpt
+    out = run(capsys, f"--out_dir={path}", "--prompt=", "--max_new_tokens=5", "--temperature=0").out
+    assert len(out) > 1  # no error: the prompt is end-of-text
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stop strings, prompts from a file and from stdin
+
+
+def test_a_stop_string_ends_the_sample_right_after_it(ckpts, capsys):
+    n = 60
+    full = greedy(capsys, ckpts, PROMPT, n).out[len(PROMPT):-1]
+    assert len(full) == n
+    stop = full[20:23]
+    end = full.find(stop) + len(stop)
+    assert end < n
+    result = greedy(capsys, ckpts, PROMPT, n, f"--stop={stop}")
+    assert result.out == PROMPT + full[:end] + "\n"
+    assert SPEED.match(result.err.strip().splitlines()[-1]).group(1) == str(end)
+    # a list of stops: the first one that appears ends the sample
+    other = full[40:42]
+    later = full.find(other) + len(other)
+    stops = repr([other, stop])
+    assert greedy(capsys, ckpts, PROMPT, n, f"--stop={stops}").out == PROMPT + full[:min(end, later)] + "\n"
+
+
+def test_a_stop_string_ends_each_of_several_samples(ckpts, capsys):
+    result = run(capsys, f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--num_samples=4",
+                 "--max_new_tokens=120", "--temperature=1.0", "--stop=e")
+    texts = result.out[:-1].split(sample.SEPARATOR)
+    assert len(texts) == 4
+    for text in texts:
+        generated = text[len(PROMPT):]
+        assert text.startswith(PROMPT) and "e" not in generated[:-1]
+        assert generated.endswith("e") or len(generated) == 120
+
+
+def test_a_stop_string_with_speculative_decoding(ckpts, capsys):
+    n = 60
+    full = greedy(capsys, ckpts, PROMPT, n).out[len(PROMPT):-1]
+    stop = full[25:27]
+    end = full.find(stop) + len(stop)
+    spec = greedy(capsys, ckpts, PROMPT, n, f"--stop={stop}", f"--draft={ckpts['draft']}", "--draft_k=6").out
+    assert spec == PROMPT + full[:end] + "\n"
+
+
+def test_prompt_from_a_file_and_from_stdin(ckpts, capsys, monkeypatch, tmp_path):
+    prompt = "JULIET:\nO Romeo, Romeo!\n"  # newlines, which are awkward on a command line
+    expected = greedy(capsys, ckpts, prompt, 25).out
+    assert expected.startswith(prompt)
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt, encoding="utf-8")
+    assert greedy(capsys, ckpts, f"FILE:{path}", 25).out == expected
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    assert greedy(capsys, ckpts, "-", 25).out == expected
+
+
+# ----------------------------------------------------------------------------------------------------
+# In a separate process, what a user sees (last: the processes started with the module run meanwhile)
+
+
+def test_script_prints_the_prompt_then_the_sample_and_the_seed_reproduces_it(processes, ckpts, capsys):
+    result = processes.result("ok")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    out = result.stdout
+    assert out.startswith(PROMPT) and out.endswith("\n")
+    assert len(out) == len(PROMPT) + 40 + 1  # a character model: one character per token
+    assert len(set(out[len(PROMPT):])) > 3  # not one repeated character
+    assert SPEED.match(result.stderr.strip().splitlines()[-1]).group(1) == "40"
+    args = [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--max_new_tokens=40", "--temperature=0.9"]
+    assert run(capsys, *args, "--seed=7").out == out  # the same seed in another process: the same text
+    assert run(capsys, *args, "--seed=8").out != out
+
+
+def test_a_bad_input_in_a_separate_process_is_one_line_without_traceback(processes):
+    result = processes.result("unknown_char")
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "\u00e9" in lines[0] and "~" in lines[0], lines[0]  # the characters it does not know, named
+    assert result.stdout == ""
