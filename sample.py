@@ -332,7 +332,7 @@ def main(argv):
     seconds = time.perf_counter() - start
     for text in samples.texts[1:]:
         print(SEPARATOR + prompt + text, end="")
-    print()
+    print(flush=True)  # before the speed line on stderr, which is not buffered
     speed = f"{samples.n_tokens} tokens in {seconds:.2f} s ({samples.n_tokens / seconds:.1f} tokens/s)"
     if draft is not None:
         speed += f", draft acceptance rate {n_accepted / max(1, n_proposed):.1%} ({n_accepted}/{n_proposed})"

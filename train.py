@@ -339,7 +339,10 @@ def main(argv):
                     best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict())
 
     def say(text):
-        (progress_bar.write if progress_bar else print)(text)
+        if progress_bar:
+            progress_bar.write(text)
+        else:
+            print(text, flush=True)  # so that a log file or pipe gets each line as it happens
 
     train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
     steps_since_log, time_at_log = 0, time.perf_counter()
@@ -414,7 +417,7 @@ def main(argv):
                 if progress_bar:
                     progress_bar.set_postfix_str(figures)
                 else:
-                    print(f"iter {iter_num}: {figures}")
+                    say(f"iter {iter_num}: {figures}")
             train_loss.zero_()
             steps_since_log, time_at_log = 0, time.perf_counter()
 

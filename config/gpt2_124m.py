@@ -3,9 +3,10 @@
 #   python data/fineweb/prepare.py                     # ~10B tokens, hours, once
 #   torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py
 # Expected (not yet measured in this repo): 8 x 64 x 1024 = 524,288 tokens per iteration, 19,000
-# iterations = 10B tokens, one pass over sample-10BT. At 50% MFU on 8 x H100 (~850 MFLOPs per token) that
-# is about 4.6M tokens/s, so roughly 40 minutes; on 8 x A100, about 2 hours. Val loss should end near 3.3,
-# where llm.c's GPT-2 (124M) ends on the same data (3.28). Fewer GPUs work unchanged: the gradient
+# iterations = 10B tokens, one pass over sample-10BT. The model has 114M parameters (GQA and the tied
+# embedding make it smaller than GPT-2's 124M) and costs ~800 MFLOPs per token; at 50% MFU on 8 x H100
+# that is about 5M tokens/s, so roughly 35 minutes; on 8 x A100, about 2 hours. Val loss should end near
+# 3.3, where llm.c's GPT-2 (124M) ends on the same data (3.28). Fewer GPUs work unchanged: the gradient
 # accumulation steps (a multiple of the GPU count) keep the global batch.
 out_dir = "out-gpt2-124m"
 dataset = "fineweb"

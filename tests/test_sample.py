@@ -27,21 +27,14 @@ import sample
 from configurator import ConfigError
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "sample.py")
 BLOCK = 64  # block_size of the character models
 PROMPT = "ROMEO:\nWhat"
 SPEED = re.compile(r"^(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\)")
 ACCEPTANCE = re.compile(r"draft acceptance rate ([\d.]+)% \((\d+)/(\d+)\)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run several times faster on one thread, and far faster on a machine busy with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,21 +25,14 @@ import train
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 TINY = ["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32", "--block_size=32",
         "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--compile=False", "--device=cpu",
         "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4"]
 TIME_KEYS = {"time", "ms_per_iter", "tokens_per_sec", "mfu"}  # wall-clock figures, not reproducible
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run several times faster on one thread, and far faster on a machine busy with other work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
