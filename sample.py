@@ -196,11 +196,14 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
     if cache is not None:
         cache.select_rows([0] * n)  # every sample starts from the prompt's cache
     rows = list(range(n))  # the sample each batch row belongs to
-    for _ in range(settings["max_new_tokens"]):
-        next_tokens = torch.multinomial(next_token_probs(logits, settings, vocab_size), 1, generator=generator)
+    for step in range(settings["max_new_tokens"]):
+        if settings["temperature"] == 0:  # greedy: argmax, without drawing from a one-hot distribution
+            next_tokens = logits[:, :vocab_size].argmax(dim=-1, keepdim=True)
+        else:
+            next_tokens = torch.multinomial(next_token_probs(logits, settings, vocab_size), 1, generator=generator)
         contexts = torch.cat([contexts, next_tokens], dim=1)  # (B, T + 1)
         alive = [i for i, token in enumerate(next_tokens[:, 0].tolist()) if not samples.add(rows[i], token)]
-        if not alive:
+        if not alive or step == settings["max_new_tokens"] - 1:  # no forward pass for logits never used
             break
         if len(alive) < len(rows):  # finished samples stop costing work
             rows, contexts, next_tokens = [rows[i] for i in alive], contexts[alive], next_tokens[alive]
