@@ -167,6 +167,7 @@ class Samples:
 
     def __init__(self, n, tokenizer, stops, stream):
         self.tokenizer, self.stops, self.stream = tokenizer, stops, stream
+        self.longest_stop = max(map(len, stops), default=0)
         self.decoders = [tokenizer.decoder() for _ in range(n)]
         self.texts, self.n_tokens = [""] * n, 0
 
@@ -179,7 +180,7 @@ class Samples:
         self.texts[sample] += piece
         if sample == 0 and self.stream:
             print(piece, end="", flush=True)
-        tail = self.texts[sample][-(max(map(len, self.stops), default=0) + len(piece)):]
+        tail = self.texts[sample][-(self.longest_stop + len(piece)):]  # where a stop could newly end
         return any(stop in tail for stop in self.stops)
 
 

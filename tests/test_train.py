@@ -212,14 +212,26 @@ def logged_iterations(metrics):
         return [json.loads(line)["iter"] for line in f if line.endswith("\n") and '"loss"' in line]
 
 
+@contextlib.contextmanager
+def in_background(command, cwd, log_path):
+    """Start command with its output going to log_path (a file, not a pipe nobody reads while it runs);
+    kill it on the way out if it is still running, so a failed assertion leaves no process behind."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_path):
     out_dir, log_path = str(tmp_path / "out"), str(tmp_path / "output.txt")
     metrics = os.path.join(out_dir, "metrics.jsonl")
-    with open(log_path, "w") as log:  # a file, not a pipe nobody reads while it runs
-        proc = subprocess.Popen([sys.executable, TRAIN, *TINY, f"--out_dir={out_dir}", "--max_iters=1000000",
-                                 "--eval_interval=1000000"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
+    command = [sys.executable, TRAIN, *TINY, f"--out_dir={out_dir}", "--max_iters=1000000", "--eval_interval=1000000"]
+    with in_background(command, workdir, log_path) as proc:
         deadline = time.monotonic() + 120
         while len(logged_iterations(metrics)) < 3:  # handlers are installed before the first record
             assert proc.poll() is None, open(log_path).read()
@@ -227,10 +239,6 @@ def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_p
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     with open(log_path) as f:
         output = f.read()
     assert proc.returncode == 0 and "Traceback" not in output, output
@@ -303,18 +311,12 @@ def test_two_process_ddp_matches_one_process(workdir, tmp_path):
     args = TINY + ["--dropout=0.0", "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2"]
     ddp_dir, single_dir = str(tmp_path / "ddp"), str(tmp_path / "single")
     log_path = str(tmp_path / "output.txt")
-    with open(log_path, "w") as log:
-        ddp = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                TRAIN, *args, f"--out_dir={ddp_dir}"], cwd=workdir, stdout=log, stderr=subprocess.STDOUT,
-                               env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *args,
+               f"--out_dir={ddp_dir}"]
+    with in_background(command, workdir, log_path) as ddp:
         with in_dir(workdir):  # the reference run meanwhile, in this process
             train.main(args + [f"--out_dir={single_dir}"])
         ddp.wait(timeout=300)
-    finally:
-        if ddp.poll() is None:
-            ddp.kill()
-            ddp.wait()
     with open(log_path) as f:
         output = f.read()
     assert ddp.returncode == 0, output
