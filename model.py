@@ -37,6 +37,7 @@ class GPTConfig:
     n_head: int = 12  # query heads
     n_kv_head: int = 4  # key/value heads, shared by n_head // n_kv_head query heads each
     n_embd: int = 768
+    head_dim: int = 0  # width of each attention head; 0 means n_embd // n_head (Qwen3 sets it apart)
     dropout: float = 0.0
     bias: bool = False  # biases in the linear layers (GPT-2 has them, Llama and Qwen3 do not)
     mlp: str = "swiglu"  # one of MLP_KINDS
@@ -51,12 +52,16 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 0:
+            raise ValueError(f"GPTConfig.head_dim must be a non-negative integer (0 = n_embd // n_head), got {self.head_dim!r}")
+        if self.head_dim == 0:
+            if self.n_embd % self.n_head != 0:
+                raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
+            self.head_dim = self.n_embd // self.n_head
         if self.n_head % self.n_kv_head != 0:
             raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        if (self.n_embd // self.n_head) % 2 != 0:
-            raise ValueError(f"GPTConfig: head dim n_embd // n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"GPTConfig.head_dim ({self.head_dim}) must be even for RoPE")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.mlp not in MLP_KINDS:
@@ -65,10 +70,6 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.mlp_hidden must be a non-negative integer (0 = default), got {self.mlp_hidden!r}")
         if self.rope_base <= 0 or self.norm_eps <= 0:
             raise ValueError(f"GPTConfig.rope_base and norm_eps must be positive, got {self.rope_base!r} and {self.norm_eps!r}")
-
-    @property
-    def head_dim(self):
-        return self.n_embd // self.n_head
 
     @property
     def mlp_width(self):

@@ -49,6 +49,7 @@ DEFAULTS = dict(
     n_head=6,
     n_kv_head=6,
     n_embd=384,
+    head_dim=0,  # 0: n_embd // n_head
     dropout=0.0,
     bias=False,
     mlp="swiglu",

@@ -68,9 +68,10 @@ def rope_by_hand(x, positions, base):
 
 @pytest.mark.parametrize("kind", HEADS)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_attention_layer_matches_formula(kind, qk_norm):
+@pytest.mark.parametrize("head_dim", [0, 24])  # 24: heads wider than n_embd / n_head, as in Qwen3
+def test_attention_layer_matches_formula(kind, qk_norm, head_dim):
     """The whole attention layer, from x to its output, recomputed from its weights."""
-    model = tiny_model(n_kv_head=HEADS[kind], qk_norm=qk_norm)
+    model = tiny_model(n_kv_head=HEADS[kind], qk_norm=qk_norm, head_dim=head_dim)
     attn = model.layers[0].self_attn
     with torch.no_grad():  # make the qk-norm weights non-trivial so a skipped norm would show
         for module in (attn.q_norm, attn.k_norm):
@@ -321,7 +322,7 @@ def test_num_params_counts_by_hand():
 @pytest.mark.parametrize("overrides,field", [
     (dict(n_embd=66), "n_embd"),  # not divisible by n_head=4
     (dict(n_head=4, n_kv_head=3), "n_head"),  # 4 query heads can't be split among 3 kv heads
-    (dict(n_embd=12, n_head=4, n_kv_head=1), "head dim"),  # head dim 3 is odd: RoPE needs pairs
+    (dict(n_embd=12, n_head=4, n_kv_head=1), "head_dim"),  # head dim 3 is odd: RoPE needs pairs
     (dict(n_layer=0), "n_layer"),
     (dict(vocab_size=-5), "vocab_size"),
     (dict(block_size=0), "block_size"),
@@ -329,6 +330,7 @@ def test_num_params_counts_by_hand():
     (dict(n_embd=64.0), "n_embd"),
     (dict(dropout=1.0), "dropout"),
     (dict(mlp="moe"), "mlp"),
+    (dict(head_dim=-2), "head_dim"),
 ])
 def test_bad_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
