@@ -5,6 +5,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --out_dir=out-gpt2-124m --prompt "The meaning of life is" --num_samples=3
     python sample.py --prompt FILE:prompt.txt                 # or --prompt - to read it from stdin
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
+    python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
 
 The prompt goes through the model once (prefill) and its KV cache is copied to every sample; the samples
 then decode together, one token per step, and a sample that ends (end-of-text or a stop string) leaves
@@ -25,6 +26,7 @@ from model import GPT, GPTConfig, sampling_probs
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
+    init_from="resume",  # "resume": the checkpoint in out_dir; "hf:path": a Llama/Qwen3 folder (see export.py)
     prompt="\n",  # text; FILE:path reads a file, - reads stdin
     num_samples=1,
     max_new_tokens=500,
@@ -36,7 +38,7 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
-    draft="",  # out_dir (or .pt) of a smaller model with the same tokenizer, for speculative decoding
+    draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
     draft_k=4,  # tokens the draft proposes per step
 )
 SEPARATOR = "\n" + "-" * 40 + "\n"
@@ -51,7 +53,10 @@ class SampleError(Exception):
 
 
 def load_model(path, device, dtype):
-    """The model saved by train.py in path (a folder with ckpt.pt, or the file), and its dataset's meta."""
+    """The model saved by train.py in path (a folder with ckpt.pt, or the file), and its dataset's meta;
+    or, for path "hf:folder", a Hugging Face Llama/Qwen3 model and its tokenizer."""
+    if path.startswith("hf:"):
+        return load_hf_model(path[3:], device, dtype)
     ckpt_path = path if path.endswith(".pt") else os.path.join(path, "ckpt.pt")
     if not os.path.exists(ckpt_path):
         raise SampleError(f"no checkpoint at {ckpt_path}; train one first, e.g. python train.py config/small.py")
@@ -69,6 +74,18 @@ def load_model(path, device, dtype):
     return model.to(device=device, dtype=dtype).eval(), meta
 
 
+def load_hf_model(folder, device, dtype):
+    from export import ConvertError, load_hf  # needs safetensors, which only this path uses
+
+    try:
+        model, meta = load_hf(folder)
+    except ConvertError as e:
+        raise SampleError(str(e)) from None
+    if meta is None:
+        raise SampleError(f"{folder} has no tokenizer.json; sample.py needs the model's tokenizer to read the prompt")
+    return model.to(device=device, dtype=dtype).eval(), meta
+
+
 class Tokenizer:
     """Text to token ids and back, for the tokenizer recorded in the dataset's meta.json."""
 
@@ -77,6 +94,10 @@ class Tokenizer:
         if meta["tokenizer"] == "char":
             self.chars = meta["chars"]
             self.index = {c: i for i, c in enumerate(self.chars)}
+        elif meta["tokenizer"] == "bpe":  # another byte-level BPE, from a Hugging Face folder's tokenizer.json
+            from export import tiktoken_encoding
+
+            self.enc = tiktoken_encoding(meta["path"])
         else:
             import tiktoken
 
@@ -302,7 +323,10 @@ def main(argv):
         dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise SampleError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    model, meta = load_model(settings["out_dir"], device, getattr(torch, dtype))
+    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
+        raise SampleError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
+    source = settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"]
+    model, meta = load_model(source, device, getattr(torch, dtype))
     tokenizer = Tokenizer(meta)
     draft = None
     if settings["draft"]:

@@ -4,6 +4,7 @@ Train a GPT on prepared token shards, on one CPU or GPU, or many through torchru
     python train.py config/small.py                                   # one process
     python train.py config/small.py --learning_rate=3e-4 --max_iters=500
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP on one node
+    python train.py config/small.py --init_from=hf:hf-folder          # fine-tune a Llama/Qwen3 (export.py)
 
 Settings are the DEFAULTS below, changed by config files and --key=value overrides (configurator.py).
 Every logged figure goes to out_dir/metrics.jsonl; checkpoints go to out_dir/ckpt.pt and resume exactly
@@ -17,7 +18,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ DEFAULTS = dict(
     eval_iters=50,  # batches per split in each evaluation
     log_interval=10,
     always_save_checkpoint=True,  # else only when val loss improves
-    init_from="scratch",  # "scratch" or "resume" (from out_dir/ckpt.pt)
+    init_from="scratch",  # "scratch", "resume" (from out_dir/ckpt.pt) or "hf:path" (a Llama/Qwen3 folder to fine-tune)
     wandb_log=False,
     wandb_project="gpt",
     wandb_run_name="run",
@@ -125,10 +126,28 @@ def load_checkpoint(path):
         raise TrainError(f"cannot read checkpoint {path} ({(str(e) or type(e).__name__).splitlines()[0]}); it is truncated or corrupt") from None
 
 
-def model_config(settings, meta, checkpoint):
-    """The GPTConfig: the checkpoint's when resuming, else from the settings and the dataset's vocabulary."""
+def load_pretrained(folder, meta):
+    """The model of a Hugging Face folder to fine-tune (init_from="hf:folder"); its tokenizer must be the data's."""
+    from export import ConvertError, load_hf  # needs safetensors, which only this path uses
+
+    try:
+        model, model_meta = load_hf(folder)
+    except ConvertError as e:
+        raise TrainError(str(e)) from None
+    if model_meta is not None and model_meta != meta:
+        raise TrainError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, {model_meta['vocab_size']} "
+                         f"tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} tokens); "
+                         f"prepare the data with the model's tokenizer")
+    return model
+
+
+def model_config(settings, meta, checkpoint, pretrained=None):
+    """The GPTConfig: the checkpoint's when resuming, the pretrained model's (with this run's dropout) when
+    fine-tuning, else from the settings and the dataset's vocabulary."""
     if checkpoint is not None:
         return GPTConfig(**checkpoint["model_config"])
+    if pretrained is not None:
+        return replace(pretrained.config, dropout=settings["dropout"])
     vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)  # multiples of 64: faster matmuls
     try:
         return GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in MODEL_KEYS})
@@ -277,17 +296,22 @@ def main(argv):
 
     out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
-    if settings["init_from"] not in ("scratch", "resume"):
-        raise TrainError(f"init_from must be scratch or resume, got {settings['init_from']!r}")
-    checkpoint = load_checkpoint(ckpt_path) if settings["init_from"] == "resume" else None
+    init_from = settings["init_from"]
+    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
+        raise TrainError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
+    checkpoint = load_checkpoint(ckpt_path) if init_from == "resume" else None
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
-    config = model_config(settings, meta, checkpoint)
+    pretrained = load_pretrained(init_from[3:], meta) if init_from.startswith("hf:") else None
+    config = model_config(settings, meta, checkpoint, pretrained)
     check_vocab(data_dir, config.vocab_size)
     if settings["block_size"] > config.block_size:
-        raise TrainError(f"block_size {settings['block_size']} exceeds the checkpoint's {config.block_size}")
+        raise TrainError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
 
     torch.manual_seed(settings["seed"])  # the same init on every process
-    model = GPT(config).to(device)
+    model = GPT(config)
+    if pretrained is not None:
+        model.load_state_dict(pretrained.state_dict())
+    model = model.to(device)
     optimizers = make_optimizers(model, settings, device_type)
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
