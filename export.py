@@ -172,7 +172,8 @@ def tokenizer_meta(folder, eot_token=None):
     enc = tiktoken_encoding(path)  # fails here, with the reason, if tiktoken cannot read it
     if enc.n_vocab == 50257 and enc._mergeable_ranks == gpt2_ranks():  # the same meta as data prepared here
         return dict(tokenizer="gpt2", vocab_size=50257, eot_token=50256)
-    return dict(tokenizer="bpe", vocab_size=max(ids) + 1, eot_token=eot_token, path=os.path.abspath(path))
+    nfc = (spec.get("normalizer") or {}).get("type") == "NFC"  # Qwen's: sample.Tokenizer normalizes prompts first
+    return dict(tokenizer="bpe", vocab_size=max(ids) + 1, eot_token=eot_token, path=os.path.abspath(path), nfc=nfc)
 
 
 def gpt2_ranks():
@@ -193,14 +194,21 @@ def tiktoken_encoding(path):
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
-    byte_level = [s for s in steps if s.get("type") == "ByteLevel"]
-    if model.get("type") != "BPE" or not byte_level:
-        raise ConvertError(f"{path}: only byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) can be read")
-    splits = [s["pattern"]["Regex"] for s in steps if s.get("type") == "Split" and "Regex" in s.get("pattern", {})]
-    pattern = splits[0] if splits else GPT2_PATTERN if byte_level[0].get("use_regex", True) else None
-    if pattern is None or len(splits) > 1:
-        raise ConvertError(f"{path}: its pre-tokenizer is not one regex split; it cannot be read")
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    splits = [step for step in steps if step.get("type") == "Split"]
+    byte_level = steps[-1] if kinds[-1:] == ["ByteLevel"] else {}
+    regexes = [step.get("pattern", {}).get("Regex") for step in splits] + [GPT2_PATTERN] * byte_level.get("use_regex", True)
+    # Exactly one regex split (byte-level's own GPT-2 regex or a Split step, as in Llama 3 and Qwen), then
+    # bytes: what tiktoken does. Anything else (digit splitting, a prefix space, other normalizers) is not.
+    readable = (model.get("type") == "BPE" and byte_level and not byte_level.get("add_prefix_space")
+                and set(kinds) <= {"Split", "ByteLevel"} and len(regexes) == 1 and None not in regexes
+                and all(step.get("behavior") == "Isolated" and not step.get("invert") for step in splits)
+                and (spec.get("normalizer") or {}).get("type") in (None, "NFC"))
+    if not readable:
+        raise ConvertError(f"{path}: only byte-level BPE tokenizers that split by one regex (GPT-2, Llama 3, Qwen) "
+                           "can be read here")
+    pattern = regexes[0]
     to_byte = {u: b for b, u in byte_to_unicode().items()}
     vocab = model["vocab"]
     ranks = {bytes(to_byte[ch] for ch in text): i for text, i in vocab.items()}

@@ -18,6 +18,7 @@ import codecs
 import os
 import sys
 import time
+import unicodedata
 
 import torch
 
@@ -104,6 +105,8 @@ class Tokenizer:
             self.enc = tiktoken.get_encoding(meta["tokenizer"])
 
     def encode(self, text):
+        if self.meta.get("nfc"):
+            text = unicodedata.normalize("NFC", text)
         if self.meta["tokenizer"] != "char":
             return self.enc.encode(text, allowed_special="all")  # "<|endoftext|>" in a prompt is the token
         unknown = sorted(set(text) - self.index.keys())

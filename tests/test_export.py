@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import unicodedata
 from dataclasses import asdict
 
 import pytest
@@ -174,9 +175,15 @@ def test_exported_tokenizers_load_with_autotokenizer_and_come_back(tmp_path):
 
 
 def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
-    """A tokenizer.json that is not GPT-2's (here GPT-2's with fewer merges and one more special token)
-    is read as a "bpe" meta, and sample.Tokenizer then encodes as transformers does."""
+    """A tokenizer.json that is not GPT-2's (here GPT-2's with fewer merges, one more special token, and
+    pre-tokenized as Qwen's is: NFC, a Split regex, then bytes) is read as a "bpe" meta, and
+    sample.Tokenizer then encodes as transformers does."""
     spec = tokenizer_json(GPT2_META)
+    spec["normalizer"] = dict(type="NFC")
+    spec["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
+        dict(type="Split", pattern=dict(Regex=r"\p{N}| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"),
+             behavior="Isolated", invert=False),
+        dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)])
     spec["model"]["merges"] = spec["model"]["merges"][:5000]
     spec["model"]["vocab"] = {t: i for t, i in spec["model"]["vocab"].items() if i < 256 + 5000}
     spec["added_tokens"] = [dict(spec["added_tokens"][0], id=5256), dict(spec["added_tokens"][0], id=5257, content="<|im_end|>")]
@@ -190,11 +197,17 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     _, meta = load_hf(str(tmp_path))
     assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 5258 and meta["eot_token"] == 5257
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
-    text = "First Citizen:\nBefore we proceed any further, hear me speak.<|im_end|> ünïcödé"
+    text = "First Citizen:\nBefore we proceed 2024 times, hear me speak.<|im_end|> ünïcödé cafe\u0301"
     ours = sample.Tokenizer(meta)
     assert ours.encode(text) == theirs.encode(text)
     decode = ours.decoder()
-    assert "".join(decode(t) for t in ours.encode(text)) == text
+    assert "".join(decode(t) for t in ours.encode(text)) == unicodedata.normalize("NFC", text)
+
+    for change in (dict(type="Digits", individual_digits=True), dict(type="ByteLevel", add_prefix_space=True)):
+        spec["pre_tokenizer"]["pretokenizers"][0] = change  # what tiktoken cannot do is refused, not ignored
+        (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+        with pytest.raises(ConvertError, match="only byte-level BPE"):
+            load_hf(str(tmp_path))
 
 
 # ----------------------------------------------------------------------------------------------------
