@@ -203,8 +203,9 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     decode = ours.decoder()
     assert "".join(decode(t) for t in ours.encode(text)) == unicodedata.normalize("NFC", text)
 
-    for change in (dict(type="Digits", individual_digits=True), dict(type="ByteLevel", add_prefix_space=True)):
-        spec["pre_tokenizer"]["pretokenizers"][0] = change  # what tiktoken cannot do is refused, not ignored
+    steps = spec["pre_tokenizer"]["pretokenizers"]
+    for changed in ([dict(type="Digits", individual_digits=True), steps[1]], [steps[0], dict(steps[1], add_prefix_space=True)]):
+        spec["pre_tokenizer"]["pretokenizers"] = changed  # what tiktoken cannot do is refused, not ignored
         (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
         with pytest.raises(ConvertError, match="only byte-level BPE"):
             load_hf(str(tmp_path))
