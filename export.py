@@ -165,15 +165,17 @@ def tokenizer_meta(folder, eot_token=None):
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     model = spec.get("model") or {}
-    ids = [*model.get("vocab", {}).values(), *(token["id"] for token in spec.get("added_tokens", []))]
-    if model.get("type") == "BPE" and not model.get("merges") and (spec.get("decoder") or {}).get("type") == "Fuse":
-        chars = sorted(model["vocab"], key=model["vocab"].get)
+    vocab = model.get("vocab", {})
+    if (model.get("type") == "BPE" and not model.get("merges") and (spec.get("decoder") or {}).get("type") == "Fuse"
+            and sorted(vocab.values()) == list(range(len(vocab))) and all(len(c) == 1 for c in vocab)):
+        chars = sorted(vocab, key=vocab.get)
         return dict(tokenizer="char", vocab_size=len(chars), eot_token=None, chars=chars)
     enc = tiktoken_encoding(path)  # fails here, with the reason, if tiktoken cannot read it
-    if enc.n_vocab == 50257 and enc._mergeable_ranks == gpt2_ranks():  # the same meta as data prepared here
-        return dict(tokenizer="gpt2", vocab_size=50257, eot_token=50256)
     nfc = (spec.get("normalizer") or {}).get("type") == "NFC"  # Qwen's: sample.Tokenizer normalizes prompts first
-    return dict(tokenizer="bpe", vocab_size=max(ids) + 1, eot_token=eot_token, path=os.path.abspath(path), nfc=nfc)
+    if not nfc and enc.n_vocab == 50257 and enc._pat_str == GPT2_PATTERN and enc._mergeable_ranks == gpt2_ranks():
+        return dict(tokenizer="gpt2", vocab_size=50257, eot_token=50256)  # the meta that data prepared here has
+    vocab_size = 1 + max([*vocab.values(), *(token["id"] for token in spec.get("added_tokens", []))])
+    return dict(tokenizer="bpe", vocab_size=vocab_size, eot_token=eot_token, path=os.path.abspath(path), nfc=nfc)
 
 
 def gpt2_ranks():
