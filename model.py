@@ -177,8 +177,11 @@ class KVCache:
     def write(self, layer, k, v, input_pos):
         """append's static-shape twin (gpt-fast's): write k, v (B, n_kv, T, hd) at the positions input_pos (T,),
         a tensor, and return the whole buffers (B, n_kv, max_len, hd). Neither reads nor moves pos."""
-        self.k[layer].index_copy_(2, input_pos, k)
-        self.v[layer].index_copy_(2, input_pos, v)
+        # One index_put_ on the whole buffer rather than on the view self.k[layer]: compiled, a write into a view
+        # of an input becomes a copy of the whole input (every layer's cache, every step), this one stays in place.
+        index = (torch.tensor([layer], device=input_pos.device), slice(None), slice(None), input_pos)
+        self.k[index] = k.permute(2, 0, 1, 3)  # the indexed dims come first: (T, B, n_kv, hd)
+        self.v[index] = v.permute(2, 0, 1, 3)
         return self.k[layer], self.v[layer]
 
     def select_rows(self, rows):
