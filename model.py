@@ -81,6 +81,26 @@ class GPTConfig:
 
 
 # ----------------------------------------------------------------------------------------------------
+# A linear layer for decoding on CPU
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters and names), which on CPU computes an input of 4 to 16 rows, the batch of
+    a decode step, as (W @ x^T)^T: for such thin inputs MKL's fp32 kernel for x @ W^T runs well below memory
+    bandwidth (24.7 vs 13.6 ms for the 50304 x 768 output head at 8 rows; bench/RESULTS.md). One row, and
+    2 to 3 rows, where the transposed product is slower, and everything on GPUs, take the usual path."""
+
+    def forward(self, x):
+        rows = x.numel() // x.size(-1)
+        if x.device.type != "cpu" or not 4 <= rows <= 16:
+            return super().forward(x)
+        y = (self.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Rotary position embeddings
 
 
@@ -106,15 +126,20 @@ def apply_rope(x, rope_cos, rope_sin):
 # Attention and the KV cache
 
 
-def causal_attention(q, k, v, n_cached, dropout_p=0.0):
+def causal_attention(q, k, v, n_cached, dropout_p=0.0, input_pos=None):
     """softmax(q k^T / sqrt(hd) + causal mask) v, with grouped-query heads.
 
     q is (B, nh, T, hd) for T new tokens at positions n_cached .. n_cached + T - 1; k and v are
     (B, n_kv, n_cached + T, hd), every key from position 0. Query i may see keys 0 .. n_cached + i.
+    With input_pos, the positions (T,) of the queries as a tensor, k and v are instead the whole cache
+    (B, n_kv, max_len, hd) and n_cached is unused: the static shapes that torch.compile needs.
     """
     T, S = q.size(2), k.size(2)
     # enable_gqa lets SDPA pair query head h with kv head h // (nh // n_kv) without copying K and V.
     gqa = q.size(1) != k.size(1)
+    if input_pos is not None:  # the query at position p sees keys 0 .. p; the unfilled rest is masked out
+        mask = input_pos[:, None] >= torch.arange(S, device=q.device)  # (T, max_len)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
     if n_cached == 0:  # training or a fresh prefill: the square causal mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
     if T == 1:  # decoding one token: it sees the whole cache, no mask needed
@@ -149,6 +174,16 @@ class KVCache:
         self.v[layer, :, :, self.pos:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
+    def write(self, layer, k, v, input_pos):
+        """append's static-shape twin (gpt-fast's): write k, v (B, n_kv, T, hd) at the positions input_pos (T,),
+        a tensor, and return the whole buffers (B, n_kv, max_len, hd). Neither reads nor moves pos."""
+        # One index_put_ on the whole buffer rather than on the view self.k[layer]: compiled, a write into a view
+        # of an input becomes a copy of the whole input (every layer's cache, every step), this one stays in place.
+        index = (torch.tensor([layer], device=input_pos.device), slice(None), slice(None), input_pos)
+        self.k[index] = k.permute(2, 0, 1, 3)  # the indexed dims come first: (T, B, n_kv, hd)
+        self.v[index] = v.permute(2, 0, 1, 3)
+        return self.k[layer], self.v[layer]
+
     def select_rows(self, rows):
         """Keep the batch rows `rows` (indices, in order; a repeated index copies its row): share one
         prompt's prefill among several samples, or drop the samples that have finished."""
@@ -168,10 +203,10 @@ class CausalSelfAttention(nn.Module):
         self.layer_idx = layer_idx  # which slice of the KV cache is ours
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.dropout = config.dropout
-        self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
-        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
-        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
-        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        self.q_proj = Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
+        self.k_proj = Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.v_proj = Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.o_proj = Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         if config.qk_norm:  # one weight per head dim, shared by all heads (Qwen3)
             self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
@@ -179,7 +214,7 @@ class CausalSelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = nn.Identity()
 
-    def forward(self, x, rope_cos, rope_sin, kv_cache=None):
+    def forward(self, x, rope_cos, rope_sin, kv_cache=None, input_pos=None):
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim))  # (B, T, nh, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim))  # (B, T, n_kv, hd)
@@ -187,11 +222,13 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first: (B, h, T, hd)
         n_cached = 0
-        if kv_cache is not None:
+        if input_pos is not None:
+            k, v = kv_cache.write(self.layer_idx, k, v, input_pos)  # (B, n_kv, max_len, hd)
+        elif kv_cache is not None:
             n_cached = kv_cache.pos
             k, v = kv_cache.append(self.layer_idx, k, v)  # (B, n_kv, n_cached + T, hd)
         dropout_p = self.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, n_cached, dropout_p)  # (B, nh, T, hd)
+        y = causal_attention(q, k, v, n_cached, dropout_p, input_pos)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.o_proj(y))
 
@@ -206,9 +243,9 @@ class MLP(nn.Module):
         self.kind = config.mlp
         width = config.mlp_width
         if self.kind == "swiglu":  # silu(gate) * up: a learned gate on each hidden unit
-            self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
-        self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
-        self.down_proj = nn.Linear(width, config.n_embd, bias=config.bias)
+            self.gate_proj = Linear(config.n_embd, width, bias=config.bias)
+        self.up_proj = Linear(config.n_embd, width, bias=config.bias)
+        self.down_proj = Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -229,8 +266,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope_cos, rope_sin, kv_cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cos, rope_sin, kv_cache)
+    def forward(self, x, rope_cos, rope_sin, kv_cache=None, input_pos=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope_cos, rope_sin, kv_cache, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -242,7 +279,7 @@ class GPT(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # Computed once for every position; not saved in checkpoints (they follow from the config).
@@ -265,35 +302,43 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def hidden_states(self, idx, kv_cache=None):
+    def hidden_states(self, idx, kv_cache=None, input_pos=None):
         """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T).
 
         With a kv_cache, idx continues the cached sequence: its positions start at kv_cache.pos, it
         attends to the cached prefix, and it is appended to the cache.
+        With a kv_cache and input_pos, the positions (T,) of idx as a tensor, the static-shape path for
+        torch.compile (gpt-fast's): k and v are written at input_pos and every query attends over the
+        whole cache, masked. No shape or Python number changes from step to step, so a compiled decode
+        step compiles once. kv_cache.pos is neither read nor advanced: the caller keeps count.
         """
         B, T = idx.shape
-        start = 0
         if kv_cache is not None:
-            start = kv_cache.pos
-            if start + T > kv_cache.max_len:
-                raise ValueError(f"KV cache overflow: {start} cached + {T} new tokens > max_len {kv_cache.max_len}; "
+            if input_pos is None and kv_cache.pos + T > kv_cache.max_len:
+                raise ValueError(f"KV cache overflow: {kv_cache.pos} cached + {T} new tokens > max_len {kv_cache.max_len}; "
                                  f"make the cache larger with new_kv_cache(batch_size, max_len)")
             if kv_cache.k.size(1) != B:
                 raise ValueError(f"KV cache was made for batch size {kv_cache.k.size(1)}, got a batch of {B}")
+        elif input_pos is not None:
+            raise ValueError("input_pos needs a kv_cache to write the keys and values to")
         elif T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        rope_cos, rope_sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd/2)
+        if input_pos is None:  # the positions follow the cached ones
+            start = kv_cache.pos if kv_cache is not None else 0
+            rope_cos, rope_sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd/2)
+        else:
+            rope_cos, rope_sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd/2)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
-            x = block(x, rope_cos, rope_sin, kv_cache)
-        if kv_cache is not None:
+            x = block(x, rope_cos, rope_sin, kv_cache, input_pos)
+        if kv_cache is not None and input_pos is None:
             kv_cache.pos += T  # every layer has appended its keys and values
         return self.norm(x)
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, input_pos=None):
         """Logits (B, T, vocab_size) for the tokens idx (B, T), and the mean cross-entropy against
-        targets (B, T) when given (target -1 is ignored), else None."""
-        logits = self.lm_head(self.hidden_states(idx, kv_cache))
+        targets (B, T) when given (target -1 is ignored), else None. input_pos: see hidden_states."""
+        logits = self.lm_head(self.hidden_states(idx, kv_cache, input_pos))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)

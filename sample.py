@@ -39,6 +39,7 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
+    compile=False,  # torch.compile the decode step (static cache shapes: compiles once, on the first step)
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
     draft_k=4,  # tokens the draft proposes per step
 )
@@ -179,6 +180,12 @@ def prefill(model, contexts, max_len):
     return cache, contexts[:, -1:]
 
 
+def decode_step(model, tokens, cache, input_pos):
+    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, through the static-shape path:
+    the same shapes every step, so torch.compile compiles it once. The caller advances cache.pos."""
+    return model.lm_head(model.hidden_states(tokens, cache, input_pos)[:, -1])
+
+
 def last_logits(model, tokens, cache, no_kv_cache):
     """Logits (B, V) after tokens (B, T): fed to the cache, or (no_kv_cache) the whole context (B, T)."""
     if no_kv_cache:
@@ -211,32 +218,49 @@ class Samples:
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
     """Decode num_samples continuations of the prompt together, one token per step; samples that end
-    leave the batch. With no_kv_cache, every step recomputes the whole context instead."""
+    leave the batch. With no_kv_cache, every step recomputes the whole context instead. With compile, the
+    decode step is compiled, and samples that end stay in the batch (their tokens unused): a batch that
+    shrank would be a new shape to compile."""
     n, block_size, device = settings["num_samples"], model.config.block_size, model.lm_head.weight.device
     vocab_size = samples.tokenizer.vocab_size
+    compiled = settings["compile"] and not settings["no_kv_cache"]
+    if compiled:
+        step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
+    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters.
+    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
     contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
-    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, block_size)
+    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len)
     logits = last_logits(model, tokens, cache, settings["no_kv_cache"]).expand(n, -1)
     contexts = contexts.expand(n, -1)
     if cache is not None:
         cache.select_rows([0] * n)  # every sample starts from the prompt's cache
-    rows = list(range(n))  # the sample each batch row belongs to
+    rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (compiled only)
     for step in range(settings["max_new_tokens"]):
         if settings["temperature"] == 0:  # greedy: argmax, without drawing from a one-hot distribution
             next_tokens = logits[:, :vocab_size].argmax(dim=-1, keepdim=True)
         else:
             next_tokens = torch.multinomial(next_token_probs(logits, settings, vocab_size), 1, generator=generator)
         contexts = torch.cat([contexts, next_tokens], dim=1)  # (B, T + 1)
-        alive = [i for i, token in enumerate(next_tokens[:, 0].tolist()) if not samples.add(rows[i], token)]
-        if not alive or step == settings["max_new_tokens"] - 1:  # no forward pass for logits never used
+        for i, token in enumerate(next_tokens[:, 0].tolist()):
+            if rows[i] is not None and samples.add(rows[i], token):
+                rows[i] = None
+        if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no forward pass for logits never used
             break
-        if len(alive) < len(rows):  # finished samples stop costing work
+        if None in rows and not compiled:  # finished samples stop costing work
+            alive = [i for i, row in enumerate(rows) if row is not None]
             rows, contexts, next_tokens = [rows[i] for i in alive], contexts[alive], next_tokens[alive]
             if cache is not None:
                 cache.select_rows(alive)
         if cache is not None and cache.pos == block_size:  # the context is full: slide the window
             cache, next_tokens = prefill(model, contexts[:, -(block_size // 2):], block_size)
-        logits = last_logits(model, contexts if cache is None else next_tokens, cache, settings["no_kv_cache"])
+        if compiled:  # the same two input tensors every step: a slice of contexts has other strides to guard on
+            step_tokens.copy_(next_tokens)
+            input_pos.fill_(cache.pos)
+            logits = step_fn(model, step_tokens, cache, input_pos)
+            cache.pos += 1
+        else:
+            logits = last_logits(model, contexts if cache is None else next_tokens, cache, settings["no_kv_cache"])
 
 
 @torch.inference_mode()

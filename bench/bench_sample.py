@@ -99,16 +99,17 @@ def early_exit_draft(model, n_layer):
     return draft.eval()
 
 
-def settings_for(batch, n_new, no_kv_cache=False):
+def settings_for(batch, n_new, no_kv_cache=False, compile=False):
     return dict(num_samples=batch, max_new_tokens=n_new, temperature=0.0, top_k=None, top_p=None,
-                no_kv_cache=no_kv_cache, draft_k=SPEC_K)
+                no_kv_cache=no_kv_cache, compile=compile, draft_k=SPEC_K)
 
 
-def ours(model, tokenizer, prompt_ids, batch, no_kv_cache=False):
+def ours(model, tokenizer, prompt_ids, batch, no_kv_cache=False, compile=False):
     """A function of n_new that runs sample.py's decode_batch as sample.py does, without streaming."""
     def run(n_new):
         samples = Samples(batch, tokenizer, [], stream=False)
-        decode_batch(model, prompt_ids, settings_for(batch, n_new, no_kv_cache), samples, torch.Generator().manual_seed(0))
+        decode_batch(model, prompt_ids, settings_for(batch, n_new, no_kv_cache, compile), samples,
+                     torch.Generator().manual_seed(0))
         assert samples.n_tokens == batch * n_new  # no sample ended early: the step count is what it says
     return run
 

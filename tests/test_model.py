@@ -175,6 +175,71 @@ def test_cached_chunks_equal_full_forward(kind):
             assert (model(idx[:, 31:32], kv_cache=cache)[0] - full[:, 31:32]).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("kind", HEADS)
+def test_static_shape_path_equals_the_growing_cache(kind):
+    """input_pos (the path torch.compile uses): k and v written at tensor positions, attention over the whole
+    cache with a mask. Same logits as the growing cache, for decode steps and chunks, after a rollback too,
+    whatever the unfilled part of the cache holds."""
+    model = tiny_model(n_kv_head=HEADS[kind], tie_embeddings=False)
+    generator = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 97, (2, 40), generator=generator)
+    with torch.no_grad():
+        growing, static = model.new_kv_cache(2, 48), model.new_kv_cache(2, 48)
+        static.k.normal_(0, 100, generator=generator)  # stale values where nothing was written: masked out
+        static.v.normal_(0, 100, generator=generator)
+        start = 0
+        for size in [6, 1, 1, 4, 1, 9, 1, 1, 1]:
+            chunk = idx[:, start:start + size]
+            expected = model(chunk, kv_cache=growing)[0]
+            actual = model(chunk, kv_cache=static, input_pos=torch.arange(start, start + size))[0]
+            assert (actual - expected).abs().max() < 1e-5, (start, size)
+            assert static.pos == 0  # the caller keeps count on this path
+            start += size
+        growing.truncate(10)  # reject the tokens from position 10 on; the static cache is just overwritten
+        other = torch.randint(0, 97, (2, 3), generator=generator)
+        for i in range(3):
+            expected = model(other[:, i:i + 1], kv_cache=growing)[0]
+            actual = model(other[:, i:i + 1], kv_cache=static, input_pos=torch.tensor([10 + i]))[0]
+            assert (actual - expected).abs().max() < 1e-5
+        # the mask matters: positions one further on see one more key, and give other logits
+        shifted = model(other[:, 2:3], kv_cache=static, input_pos=torch.tensor([13]))[0]
+        assert (shifted - expected).abs().max() > 1e-3
+
+
+def test_static_decode_step_compiles_once():
+    """torch.compile of a decode step on the input_pos path traces one graph for every step; the growing cache
+    (a new shape each step) traces one per step. The backend counts traced graphs and runs them eagerly."""
+    model = tiny_model(tie_embeddings=False)
+    idx = torch.randint(0, 97, (2, 30))
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    with torch.no_grad():
+        expected = model(idx)[0][:, 8:]
+        torch._dynamo.reset()
+        static_step = torch.compile(lambda tokens, cache, pos: model(tokens, kv_cache=cache, input_pos=pos)[0],
+                                    backend=counting_backend, fullgraph=True, dynamic=False)
+        cache = model.new_kv_cache(2, 32)
+        model(idx[:, :8], kv_cache=cache)  # prefill, not compiled
+        logits = [static_step(idx[:, t:t + 1], cache, torch.tensor([t])) for t in range(8, 30)]
+        assert len(graphs) == 1
+        assert (torch.cat(logits, dim=1) - expected).abs().max() < 1e-5
+
+        graphs.clear()
+        torch._dynamo.reset()
+        growing_step = torch.compile(lambda tokens, cache: model(tokens, kv_cache=cache)[0],
+                                     backend=counting_backend, dynamic=False)
+        cache = model.new_kv_cache(2, 32)
+        model(idx[:, :8], kv_cache=cache)
+        for t in range(8, 11):
+            growing_step(idx[:, t:t + 1], cache)
+        assert len(graphs) == 3  # the counter sees recompiles: the assertion above could fail
+        torch._dynamo.reset()
+
+
 def test_gqa_cache_is_smaller_by_the_group_factor():
     gqa, mha = tiny_model(n_kv_head=1), tiny_model(n_kv_head=4)
     assert mha.new_kv_cache(2, 32).k.numel() == 4 * gqa.new_kv_cache(2, 32).k.numel()

@@ -151,6 +151,9 @@ def processes(ckpts, tmp_path_factory):
         "ok": [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--seed=7", "--max_new_tokens=40",
                "--temperature=0.9"],
         "unknown_char": [f"--out_dir={ckpts['dir']}", "--prompt=caf\u00e9 ~"],
+        # inductor's first compile takes ~45 s on 2 cores with a cold cache (~6 s warm): started first, run beside
+        "compiled": [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--temperature=0",
+                     f"--max_new_tokens={2 * BLOCK + 5}", "--compile=True"],
     }, cwd=tmp_path_factory.mktemp("cwd"))
     yield processes
     processes.kill()
@@ -198,6 +201,36 @@ def test_a_prompt_one_short_of_block_size_decodes(ckpts, capsys):
     prompt = (PROMPT * 10)[:BLOCK - 1]
     out = greedy(capsys, ckpts, prompt, 10).out
     assert out == reference_greedy(ckpts["model"], ckpts["meta"], prompt, 10) + "\n"
+
+
+@pytest.mark.parametrize("num_samples", [1, 2])
+def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypatch, num_samples):
+    """--compile=True decodes the same text from a step traced once, though the window slides twice (a new
+    cache) and the position moves every step. Traced here with a counting backend that hands the graph to
+    aot_eager (dynamo and AOT autograd, what inductor is given, in a fraction of its compile time); the
+    inductor run is test_compiled_greedy_with_inductor_in_a_separate_process."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(fn, **{**kwargs, "backend": counting_backend}))
+    torch._dynamo.reset()
+    n = 2 * BLOCK + 5
+    extra = [f"--num_samples={num_samples}"]
+    eager = greedy(capsys, ckpts, PROMPT, n, *extra).out
+    assert graphs == []  # compile is off by default
+    assert greedy(capsys, ckpts, PROMPT, n, *extra, "--compile=True").out == eager
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+
+
+def test_compiled_greedy_with_inductor_in_a_separate_process(processes, ckpts, capsys):
+    result = processes.result("compiled")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == greedy(capsys, ckpts, PROMPT, 2 * BLOCK + 5).out
 
 
 def test_top_k_1_a_tiny_top_p_and_a_tiny_temperature_are_greedy(ckpts, capsys):
