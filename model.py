@@ -13,6 +13,8 @@ What is in it, and the GPTConfig switch for each choice:
 - A preallocated KV cache for incremental decoding that handles the three attention cases: a full
   causal sequence (training), one new token (decoding), and a chunk of new tokens after a cached prefix
   (chunked prefill, speculative verification). It can be truncated to reject speculated tokens.
+  With input_pos (positions as a tensor), the static-shape variant of gpt-fast: k and v are written at
+  those positions and attention reads the whole cache under a mask, so a compiled decode step compiles once.
 
 bias=False, mlp="swiglu", qk_norm=False is exactly a Llama; the same with qk_norm=True (the default) is
 exactly a Qwen3 (norm_eps: Llama uses 1e-5, Qwen3 1e-6). Module names follow the Hugging Face Llama

@@ -4,6 +4,7 @@ transformers' LlamaForCausalLM.generate and against the memory-bandwidth floor.
     python bench/bench_sample.py                         # both models, all columns: a few minutes on 2 CPU cores
     python bench/bench_sample.py --models gpt2 --quick   # one model, fewer repeats and no-cache steps
     python bench/bench_sample.py --models small --threads 1
+    python bench/bench_sample.py --models gpt2 --compile # and a row for sample.py --compile=True
 
 Models: "small" is config/small.py's shape (4 layers, 128 wide, context 128), loaded from out-small/ckpt.pt when
 it exists (so speculative acceptance means something), else random; "gpt2" is the GPT-2-small size (12 layers,
@@ -32,6 +33,8 @@ from sample import Samples, Tokenizer, decode_batch, decode_speculative
 
 SHORT_PROMPT = 16
 SPEC_K = 4  # draft tokens per speculative step, sample.py's default
+CACHED, COMPILED = "cached (decode_batch)", "cached, compiled (--compile=True)"
+FLOOR = "floor: sum() of a buffer of weights + KV cache size"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "KMP_AFFINITY",
               "OMP_PROC_BIND", "OMP_PLACES", "GOMP_SPINCOUNT", "LD_PRELOAD")
 GPT2_CONFIG = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768)
@@ -58,6 +61,18 @@ def read_bandwidth(gib=1.0, repeats=5):
     buffer.sum()  # warm-up: thread pool, page tables
     best = min(timed(buffer.sum) for _ in range(repeats))
     return buffer.numel() * 4 / best
+
+
+def memory_read(n_bytes):
+    """A function of n_new that reads an fp32 buffer of n_bytes n_new times: the floor, timed like the methods
+    (interleaved with them), since the VM's bandwidth drifts as much as its decode speed."""
+    buffer = torch.empty(n_bytes // 4, dtype=torch.float32)
+    buffer.fill_(1.0)
+
+    def run(n_new):
+        for _ in range(n_new):
+            buffer.sum()
+    return run
 
 
 def timed(fn):
@@ -161,6 +176,8 @@ def measure(runs, n_new, repeats, warm_up=True):
     for name, run in runs.items():
         if warm_up:
             run(2)  # one-time costs of these shapes: allocator, thread pool, kernel set-up
+            if name == COMPILED:
+                run(n_new[name])  # its cache is sized to the run: compile the timed runs' shapes beforehand
     for _ in range(repeats):
         for name, run in runs.items():
             best[name][0] = min(best[name][0], timed(lambda: run(1)))
@@ -202,14 +219,18 @@ def bench_model(name, args, bandwidth, summary):
         long_gpt2 = prompt_name == "long" and config.block_size >= 512
         for batch in (1, 8):
             runs = {}
-            runs["cached (decode_batch)"] = ours(model, tokenizer, prompt_ids, batch)
+            runs[CACHED] = ours(model, tokenizer, prompt_ids, batch)
+            if args.compile:
+                runs[COMPILED] = ours(model, tokenizer, prompt_ids, batch, compile=True)
             if hf_model is not None:
                 runs["transformers LlamaForCausalLM.generate"] = hf_generate(hf_model, prompt_ids, batch)
             spec_stats = []
             if batch == 1:  # decode_speculative decodes the samples in turn: batch 8 is 8 x batch 1
                 spec_name = f"speculative, draft = first {draft_layers} layer(s), k={SPEC_K}"
                 runs[spec_name] = speculative(model, draft, tokenizer, prompt_ids, spec_stats)
+            runs[FLOOR] = memory_read(weight_bytes + batch * context * kv_bytes_per_token)
             results = measure(runs, dict.fromkeys(runs, n_new), repeats)
+            floor = results[FLOOR]
             # Recomputing ~1000 tokens costs ~1 s per step at batch 1 (~8 s at 8): time a few steps, once.
             if not (long_gpt2 and batch == 8 and args.quick):
                 nc_steps = (3 if batch == 1 else 2) if long_gpt2 else (8 if args.quick else 16)
@@ -217,7 +238,6 @@ def bench_model(name, args, bandwidth, summary):
                 # the cached runs' prefill has already run these shapes: no warm-up for the slow path
                 results["no-cache (--no_kv_cache)"] = measure({"nc": nc}, {"nc": nc_steps}, 1 if long_gpt2 else repeats,
                                                               warm_up=not long_gpt2)["nc"]
-            floor = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
             for run_name, seconds in results.items():
                 label = run_name
                 if run_name.startswith("speculative") and spec_stats:
@@ -239,7 +259,7 @@ def print_summary(summary):
         for prompt_name in ("short", "long"):
             for batch in (1, 8):
                 results, floor = stats[(prompt_name, batch)]
-                cached = results["cached (decode_batch)"]
+                cached = results[CACHED]
                 parts = [f"{name} {prompt_name} batch {batch}: cached {cached * 1e3:.1f} ms/step"]
                 if "no-cache (--no_kv_cache)" in results:
                     parts.append(f"no-cache / cached {results['no-cache (--no_kv_cache)'] / cached:.1f}x")
@@ -247,6 +267,11 @@ def print_summary(summary):
                 if hf is not None:
                     parts.append(f"transformers / cached {hf / cached:.2f}x")
                 parts.append(f"cached / bandwidth floor {cached / floor:.2f}x")
+                compiled = results.get(COMPILED)
+                if compiled is not None:
+                    parts.append(f"compiled: cached / compiled {cached / compiled:.2f}x, / floor {compiled / floor:.2f}x")
+                    if hf is not None:
+                        parts.append(f"transformers / compiled {hf / compiled:.2f}x")
                 print(", ".join(parts))
     print("targets: no-cache / cached >= 25 at ~1000 context; batch 1 cached / floor <= 1.3; transformers / cached > 1")
 
@@ -259,6 +284,8 @@ def main():
     parser.add_argument("--new_tokens", type=int, default=0, help="tokens per timed run (default 32 small, 64 gpt2)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--no_hf", action="store_true", help="skip the transformers column")
+    parser.add_argument("--compile", action="store_true", help="add a row for sample.py --compile=True (compiles "
+                        "once per prompt, batch and run length: minutes on 2 cores, less with inductor's cache warm)")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -267,12 +294,15 @@ def main():
         sys.exit(f"error: --models takes small and/or gpt2, got {args.models!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compile:  # every prompt, batch and run length is a new cache shape; sample.py compiles one per run
+        torch._dynamo.config.recompile_limit = 64
 
     print(machine())
     bandwidth = read_bandwidth()
     print(f"memory read bandwidth: {bandwidth / 1e9:.1f} GB/s (best sum() of a filled 1 GiB fp32 buffer)")
     print("ms/step: one decode step of the whole batch; tokens/s counts every row; /floor: ms/step over the time to "
-          "read the weights and the batch's KV cache once at the mean context; speculative (batch 1 only, as "
+          "read the weights and the batch's KV cache once at the mean context (the floor row: a sum() over that many bytes, "
+          "timed interleaved with the methods); speculative (batch 1 only, as "
           "decode_speculative runs samples in turn): ms per token, a step yields 1 to k+1")
     start = time.perf_counter()
     summary = {}

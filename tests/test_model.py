@@ -240,6 +240,20 @@ def test_static_decode_step_compiles_once():
         torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_nn_linear_for_every_row_count(rows, bias):
+    """model.Linear computes 4 to 16 rows as (W @ x^T)^T on CPU; the result is nn.Linear's, in x's shape."""
+    from model import Linear
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 1, 48)
+    expected = F.linear(x, layer.weight, layer.bias)
+    actual = layer(x)
+    assert actual.shape == (rows, 1, 80)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_gqa_cache_is_smaller_by_the_group_factor():
     gqa, mha = tiny_model(n_kv_head=1), tiny_model(n_kv_head=4)
     assert mha.new_kv_cache(2, 32).k.numel() == 4 * gqa.new_kv_cache(2, 32).k.numel()
