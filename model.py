@@ -107,20 +107,24 @@ class Linear(nn.Linear):
 
 
 def rope_tables(head_dim, max_len, base):
-    """cos and sin of position * frequency, each (max_len, head_dim // 2), in fp32."""
+    """cos and sin of position * frequency, each (max_len, head_dim) in fp32: the angle of pair i
+    (dims i and i + head_dim/2) is written at both of its columns, so apply_rope needs no slicing."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (max_len, hd)
     return angles.cos(), angles.sin()
 
 
 def apply_rope(x, rope_cos, rope_sin):
-    """Rotate each pair (x[i], x[i + hd/2]) of x (B, T, nh, hd) by its position's angle.
+    """Rotate each pair (x[i], x[i + hd/2]) of x (B, T, nh, hd) by its position's angle:
+    (x[i] cos - x[i + hd/2] sin, x[i + hd/2] cos + x[i] sin), written as x cos + rotate_half(x) sin.
 
-    rope_cos and rope_sin are (T, hd/2): the rows for the positions of x's T tokens.
+    rope_cos and rope_sin are (T, hd): the rows for the positions of x's T tokens.
     """
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, nh, hd/2) each
-    cos, sin = rope_cos[:, None, :], rope_sin[:, None, :]  # (T, 1, hd/2): broadcast over heads
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x_float = x.float()  # rotate in fp32 under bf16 autocast too
+    x1, x2 = x_float.chunk(2, dim=-1)  # (B, T, nh, hd/2) each
+    rotated_half = torch.cat((-x2, x1), dim=-1)  # (B, T, nh, hd): each dim's partner, signed
+    rotated = x_float * rope_cos[:, None, :] + rotated_half * rope_sin[:, None, :]  # (T, 1, hd) broadcast over heads
     return rotated.to(x.dtype)
 
 
@@ -136,20 +140,24 @@ def causal_attention(q, k, v, n_cached, dropout_p=0.0, input_pos=None):
     With input_pos, the positions (T,) of the queries as a tensor, k and v are instead the whole cache
     (B, n_kv, max_len, hd) and n_cached is unused: the static shapes that torch.compile needs.
     """
-    T, S = q.size(2), k.size(2)
-    # enable_gqa lets SDPA pair query head h with kv head h // (nh // n_kv) without copying K and V.
-    gqa = q.size(1) != k.size(1)
+    B, n_head, T, head_dim = q.shape
+    n_kv_head, S = k.size(1), k.size(2)
+    mask = None  # True where a query may see a key; None: every query sees every key
     if input_pos is not None:  # the query at position p sees keys 0 .. p; the unfilled rest is masked out
         mask = input_pos[:, None] >= torch.arange(S, device=q.device)  # (T, max_len)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
-    if n_cached == 0:  # training or a fresh prefill: the square causal mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
-    if T == 1:  # decoding one token: it sees the whole cache, no mask needed
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
-    # A chunk after a cached prefix: is_causal would align the mask top-left (query i sees keys 0..i),
-    # so spell the bottom-right alignment out: row i allows columns 0 .. n_cached + i.
-    mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=n_cached)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    elif n_cached == 0:  # training or a fresh prefill: the square causal mask
+        # enable_gqa lets SDPA pair query head h with kv head h // (nh // n_kv) without copying K and V.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              enable_gqa=n_head != n_kv_head)
+    elif T > 1:  # a chunk after a cached prefix: is_causal would align the mask top-left (query i sees
+        # keys 0..i), so spell the bottom-right alignment out: row i allows columns 0 .. n_cached + i.
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=n_cached)
+    if T == 1:  # decoding one token: the query heads of a group see the same keys under the same mask, so
+        # they can be the rows of one query block per kv head: no GQA pairing, each kv head read once.
+        group_queries = q.reshape(B, n_kv_head, n_head // n_kv_head, head_dim)  # (B, n_kv, nh/n_kv, hd)
+        y = F.scaled_dot_product_attention(group_queries, k, v, attn_mask=mask, dropout_p=dropout_p)
+        return y.view(B, n_head, 1, head_dim)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
 
 
 class KVCache:
@@ -327,9 +335,9 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         if input_pos is None:  # the positions follow the cached ones
             start = kv_cache.pos if kv_cache is not None else 0
-            rope_cos, rope_sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd/2)
+            rope_cos, rope_sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd)
         else:
-            rope_cos, rope_sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd/2)
+            rope_cos, rope_sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
             x = block(x, rope_cos, rope_sin, kv_cache, input_pos)

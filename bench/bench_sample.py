@@ -8,9 +8,9 @@ transformers' LlamaForCausalLM.generate and against the memory-bandwidth floor.
 
 Models: "small" is config/small.py's shape (4 layers, 128 wide, context 128), loaded from out-small/ckpt.pt when
 it exists (so speculative acceptance means something), else random; "gpt2" is the GPT-2-small size (12 layers,
-768 wide, 12 heads, 4 kv heads, context 1024, vocab 50304) with random weights, which decode as fast as trained
-ones. Each runs a short prompt (16 tokens) and a long one (block_size - new tokens - 32, so decoding ends near
-block_size), at batch 1 and 8, greedy.
+768 wide, 12 heads, 4 kv heads, context 1024, vocab 50304; no qk_norm, so exactly a Llama) with random weights,
+which decode as fast as trained ones. Each runs a short prompt (16 tokens) and a long one (block_size minus the
+new tokens minus 32, so decoding ends near block_size), at batch 1 and 8, greedy.
 
 Every figure is the decode phase alone: a run of N new tokens minus a run of 1, over N - 1 steps, so prefill
 and setup cancel. Runs of the methods being compared are interleaved and each keeps its best, because the VM's
@@ -37,7 +37,9 @@ CACHED, COMPILED = "cached (decode_batch)", "cached, compiled (--compile=True)"
 FLOOR = "floor: sum() of a buffer of weights + KV cache size"
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "KMP_AFFINITY",
               "OMP_PROC_BIND", "OMP_PLACES", "GOMP_SPINCOUNT", "LD_PRELOAD")
-GPT2_CONFIG = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768)
+# qk_norm off: exactly the architecture of the LlamaForCausalLM it is compared with (qk_norm=True, the default,
+# is a Qwen3 and adds two small norms per layer to every step)
+GPT2_CONFIG = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768, qk_norm=False)
 SMALL_CONFIG = dict(vocab_size=128, block_size=128, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
 
 

@@ -55,6 +55,19 @@ def test_attention_matches_formula(kind, n_cached, T):
     torch.testing.assert_close(causal_attention(q, k, v, n_cached), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", HEADS)
+@pytest.mark.parametrize("T", [1, 4], ids=["decode", "chunk"])
+def test_static_attention_over_whole_cache_matches_formula(kind, T):
+    """The input_pos path reads the whole preallocated cache: the unfilled rest (garbage here) must not count."""
+    torch.manual_seed(0)
+    B, hd, n_cached, max_len = 2, 8, 11, 24
+    q = torch.randn(B, 4, T, hd)
+    k, v = torch.randn(B, HEADS[kind], max_len, hd) * 5, torch.randn(B, HEADS[kind], max_len, hd) * 5
+    expected = attention_by_hand(q, k[:, :, :n_cached + T], v[:, :, :n_cached + T], n_cached)
+    actual = causal_attention(q, k, v, n_cached=None, input_pos=torch.arange(n_cached, n_cached + T))
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 def rope_by_hand(x, positions, base):
     """RoPE as complex multiplication: the pair (x[i], x[i + hd/2]) is the complex number
     x[i] + j x[i + hd/2], turned by the angle position * base^(-2i/hd). x is (B, T, nh, hd)."""
