@@ -241,7 +241,7 @@ def write_json(path, obj):
 
 
 def export_hf(model, meta, folder):
-    """Write model (a GPT) and its tokenizer (meta) to folder in the Hugging Face format."""
+    """Write model (a GPT) and its tokenizer (meta) to folder in the Hugging Face format; return the config.json dict."""
     from safetensors.torch import save_file
 
     config = hf_config(model.config, meta.get("eot_token") if meta else None)
@@ -256,6 +256,7 @@ def export_hf(model, meta, folder):
             model_max_length=model.config.block_size, **({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
                                                         if meta["tokenizer"] == "gpt2" else {})))
     write_json(os.path.join(folder, "config.json"), config)  # last: a folder with config.json is complete
+    return config
 
 
 def load_hf(folder):
@@ -307,8 +308,7 @@ def main(argv):
         model, meta = load_model(settings["out_dir"], "cpu", torch.float32)
     except SampleError as e:
         raise ConvertError(str(e)) from None
-    export_hf(model, meta, settings["to"])
-    arch = hf_config(model.config)["architectures"][0]
+    arch = export_hf(model, meta, settings["to"])["architectures"][0]
     print(f"wrote {arch} ({model.num_params() / 1e6:.2f}M parameters) to {settings['to']}; load it with "
           f"transformers.AutoModelForCausalLM.from_pretrained({settings['to']!r})")
 

@@ -204,16 +204,26 @@ class Samples:
         self.texts, self.n_tokens = [""] * n, 0
 
     def add(self, sample, token):
-        """Record one new token of a sample; True if the sample has ended with it."""
+        """Record one new token of a sample; True if the sample has ended with it. A sample ends right after
+        its first stop string: the rest of the token that completed it (a BPE token can hold more) is dropped."""
         self.n_tokens += 1
         if token == self.tokenizer.eot:
             return True
-        piece = self.decoders[sample](token)
-        self.texts[sample] += piece
+        text, piece = self.texts[sample], self.decoders[sample](token)
+        stop_end = self.stop_end(text, piece)
+        if stop_end is not None:
+            piece = piece[:stop_end - len(text)]
+        self.texts[sample] = text + piece
         if sample == 0 and self.stream:
             print(piece, end="", flush=True)
-        tail = self.texts[sample][-(self.longest_stop + len(piece)):]  # where a stop could newly end
-        return any(stop in tail for stop in self.stops)
+        return stop_end is not None
+
+    def stop_end(self, text, piece):
+        """Where in text + piece the earliest stop string ends, if piece completes one (text holds none)."""
+        before = text[max(0, len(text) - self.longest_stop):]  # a new stop starts here or in piece
+        tail = before + piece
+        ends = [tail.find(stop) + len(stop) for stop in self.stops if stop in tail]
+        return len(text) - len(before) + min(ends) if ends else None
 
 
 @torch.inference_mode()

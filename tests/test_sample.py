@@ -566,6 +566,19 @@ def test_bpe_samples_end_at_end_of_text_and_are_separated(bpe_ckpt, capsys):
     assert result.out == sample.SEPARATOR.join([TEXT] * 3) + "\n"
 
 
+def test_bpe_sample_ends_right_after_a_stop_string_inside_a_token(bpe_ckpt, capsys):
+    """A stop string can end inside a BPE token (" caf", "ve"): the sample ends right after it all the same."""
+    path, prompt = bpe_ckpt
+    enc = tiktoken.get_encoding("gpt2")
+    _, token_starts = enc.decode_with_offsets(enc.encode(TEXT))
+    for stop in ("ca", "na\u00efv"):  # the second spans three tokens: " na", "\u00ef", "ve"
+        end = TEXT.index(stop) + len(stop)
+        assert end not in token_starts  # it does end inside a token
+        result = run(capsys, f"--out_dir={path}", f"--prompt={prompt}", "--max_new_tokens=100", "--temperature=0",
+                     f"--stop={stop}")
+        assert result.out == TEXT[:end] + "\n"
+
+
 def test_bpe_empty_prompt_starts_a_new_document(bpe_ckpt, capsys):
     path, _ = bpe_ckpt
     out = run(capsys, f"--out_dir={path}", "--prompt=", "--max_new_tokens=5", "--temperature=0").out
