@@ -1,7 +1,8 @@
 """Tests for sample.py: end to end runs, the KV cache against recomputation, speculative decoding (greedy
 token for token, and sampling in distribution), the errors a user sees, BPE streaming, stops and prompts.
 
-The checkpoints are made here, not by train.py, in well under a second: tiny character-level GPTs with
+One test takes the user's whole path (prepare, train.py, sample.py as a script). The other checkpoints are
+made here, not by train.py, in well under a second: tiny character-level GPTs with
 random weights (sharp enough that greedy output varies with the whole context; briefly trained models only
 repeat "the the"), and a BPE (gpt2 tokenizer) model whose weights are set by hand so that its greedy output
 is a known string.
@@ -14,6 +15,7 @@ import math
 import os
 import re
 import runpy
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -653,6 +655,45 @@ def test_script_prints_the_prompt_then_the_sample_and_the_seed_reproduces_it(pro
     args = [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--max_new_tokens=40", "--temperature=0.9"]
     assert run(capsys, *args, "--seed=7").out == out  # the same seed in another process: the same text
     assert run(capsys, *args, "--seed=8").out != out
+
+
+def test_a_checkpoint_trained_by_train_py_samples_end_to_end(tmp_path, capsys):
+    """The whole path a user takes: prepare the data, train a tiny model with train.py, then sample.py as a
+    script prints the prompt and a continuation in the model's alphabet, and the same seed repeats it."""
+    import train
+    from data.shakespeare_char import prepare as prepare_char
+
+    prepare_char.main(["--out_dir", str(tmp_path / "data" / "shakespeare_char")])
+    out_dir = tmp_path / "out"
+    cwd, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    os.chdir(tmp_path)  # train.py reads data/<dataset> from its working directory, and sets signal handlers
+    try:
+        train.main(["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
+                    "--block_size=32", "--batch_size=4", "--max_iters=30", "--eval_interval=30", "--eval_iters=2",
+                    "--warmup_iters=2", "--learning_rate=3e-3", "--device=cpu", "--compile=False", f"--out_dir={out_dir}"])
+    finally:
+        os.chdir(cwd)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    capsys.readouterr()
+    args = [f"--out_dir={out_dir}", "--prompt=ROMEO:", "--max_new_tokens=60", "--temperature=1.0", "--seed=3"]
+    result = subprocess.run([sys.executable, SAMPLE, *args], capture_output=True, text=True, encoding="utf-8",
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8"), timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 60 + 1, out
+    with open(os.path.join(ROOT, "data", "shakespeare", "input.txt"), encoding="utf-8") as f:
+        assert set(out) <= set(f.read())  # only characters of the training text
+    assert run(capsys, *args).out == out  # the same seed, in this process: the same text
+    assert run(capsys, *args[:-1], "--seed=4").out != out
+
+
+def test_the_default_out_dir_is_the_one_config_small_writes():
+    from configurator import configure
+    from train import DEFAULTS as TRAIN_DEFAULTS
+
+    small = configure(TRAIN_DEFAULTS, [os.path.join(ROOT, "config", "small.py")])
+    assert sample.DEFAULTS["out_dir"] == small["out_dir"]
 
 
 def test_a_bad_input_in_a_separate_process_is_one_line_without_traceback(processes):
