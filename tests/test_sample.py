@@ -15,7 +15,6 @@ import math
 import os
 import re
 import runpy
-import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -662,19 +661,12 @@ def test_a_checkpoint_trained_by_train_py_samples_end_to_end(tmp_path, capsys):
     script prints the prompt and a continuation in the model's alphabet, and the same seed repeats it."""
     import train
     from data.shakespeare_char import prepare as prepare_char
+    from test_train import TINY, in_dir
 
     prepare_char.main(["--out_dir", str(tmp_path / "data" / "shakespeare_char")])
     out_dir = tmp_path / "out"
-    cwd, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    os.chdir(tmp_path)  # train.py reads data/<dataset> from its working directory, and sets signal handlers
-    try:
-        train.main(["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
-                    "--block_size=32", "--batch_size=4", "--max_iters=30", "--eval_interval=30", "--eval_iters=2",
-                    "--warmup_iters=2", "--learning_rate=3e-3", "--device=cpu", "--compile=False", f"--out_dir={out_dir}"])
-    finally:
-        os.chdir(cwd)
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+    with in_dir(tmp_path):  # train.py reads data/<dataset> from its working directory
+        train.main(TINY + ["--max_iters=30", "--eval_interval=30", f"--out_dir={out_dir}"])
     capsys.readouterr()
     args = [f"--out_dir={out_dir}", "--prompt=ROMEO:", "--max_new_tokens=60", "--temperature=1.0", "--seed=3"]
     result = subprocess.run([sys.executable, SAMPLE, *args], capture_output=True, text=True, encoding="utf-8",
