@@ -1,24 +1,21 @@
 """
-A decoder-only transformer (GPT) in one file, small enough to read in one sitting.
+A decoder-only transformer (GPT) and its KV cache, in one file small enough to read in one sitting.
 
-What is in it, and the GPTConfig switch for each choice:
-- Token embedding, no learned positions: rotary position embeddings (RoPE) on q and k, with the
-  "rotate-half" pairing (dim i with dim i + head_dim/2) that Hugging Face Llama and Qwen use (rope_base).
-- Pre-norm residual blocks, x + attn(norm(x)) then x + mlp(norm(x)), with RMSNorm (norm_eps).
-- Grouped-query attention (GQA): n_head query heads share n_kv_head key/value heads; query head h reads
-  kv head h // (n_head // n_kv_head). n_kv_head == n_head is multi-head attention, n_kv_head == 1 is
-  multi-query attention. Optional RMSNorm of q and k per head (qk_norm), as in Qwen3.
-- MLP: "swiglu" (Llama), "gelu" (GPT-2) or "relu2" (squared ReLU, modded-nanogpt); width mlp_hidden.
-- Optional biases (bias), dropout (dropout), output head tied to the embedding (tie_embeddings).
-- A preallocated KV cache for incremental decoding that handles the three attention cases: a full
-  causal sequence (training), one new token (decoding), and a chunk of new tokens after a cached prefix
-  (chunked prefill, speculative verification). It can be truncated to reject speculated tokens.
-  With input_pos (positions as a tensor), the static-shape variant of gpt-fast: k and v are written at
-  those positions and attention reads the whole cache under a mask, so a compiled decode step compiles once.
+The architecture, and the GPTConfig switch for each choice:
+- Token embedding; positions enter only through rotary embeddings (RoPE) on q and k, pairing dim i with
+  dim i + head_dim/2 as Hugging Face Llama and Qwen do (rope_base).
+- Pre-norm residual blocks, x + attn(norm(x)) then x + mlp(norm(x)); every norm an RMSNorm (norm_eps).
+- Grouped-query attention: n_head query heads share n_kv_head key/value heads (n_kv_head == n_head is
+  multi-head, 1 is multi-query); optional RMSNorm of q and k per head (qk_norm, Qwen3); optional sliding
+  window (window): a query sees only the last `window` positions.
+- MLP: "swiglu" (Llama), "gelu" (GPT-2) or "relu2" (squared ReLU); biases, dropout, tied head optional.
 
-bias=False, mlp="swiglu", qk_norm=False is exactly a Llama; the same with qk_norm=True (the default) is
-exactly a Qwen3 (norm_eps: Llama uses 1e-5, Qwen3 1e-6). Module names follow the Hugging Face Llama
-checkpoint layout (embed_tokens, layers.N.self_attn.q_proj, mlp.gate_proj, ...), so weights map 1:1.
+Which keys a query may see is one rule, can_attend(query position, key position), used by every attention
+path: a whole sequence (training), one new token against the KV cache (decoding), a chunk after a cached
+prefix (chunked prefill, speculative verification). The cache is preallocated, position p in slot p.
+
+bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=True). Module names
+follow the Hugging Face Llama layout (embed_tokens, layers.N.self_attn.q_proj, ...), so weights map 1:1.
 """
 
 import math
@@ -34,44 +31,43 @@ MLP_KINDS = ("swiglu", "gelu", "relu2")
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64 for faster matmuls
-    block_size: int = 1024  # the longest sequence the model sees (RoPE tables and KV cache size)
+    block_size: int = 1024  # the longest sequence the model reads (and the largest KV cache)
     n_layer: int = 12
     n_head: int = 12  # query heads
-    n_kv_head: int = 4  # key/value heads, shared by n_head // n_kv_head query heads each
+    n_kv_head: int = 4  # key/value heads, each shared by n_head // n_kv_head query heads
     n_embd: int = 768
     head_dim: int = 0  # width of each attention head; 0 means n_embd // n_head (Qwen3 sets it apart)
     dropout: float = 0.0
     bias: bool = False  # biases in the linear layers (GPT-2 has them, Llama and Qwen3 do not)
     mlp: str = "swiglu"  # one of MLP_KINDS
-    mlp_hidden: int = 0  # MLP width; 0 picks 4 * n_embd, or about 8/3 * n_embd for swiglu (same params)
+    mlp_hidden: int = 0  # MLP width; 0 picks 4 * n_embd, or about 8/3 * n_embd for swiglu (same parameters)
     qk_norm: bool = True  # RMSNorm on q and k per head before RoPE (Qwen3); steadies training
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # the output head reuses the token embedding matrix
+    window: int = 0  # sliding-window attention: a query sees the last `window` positions, itself included; 0: all
 
     def __post_init__(self):
+        def require(ok, field, what):
+            if not ok:
+                raise ValueError(f"GPTConfig.{field} {what}, got {getattr(self, field)!r}")
+
+        def whole(name):
+            return isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)
+
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.head_dim, int) or isinstance(self.head_dim, bool) or self.head_dim < 0:
-            raise ValueError(f"GPTConfig.head_dim must be a non-negative integer (0 = n_embd // n_head), got {self.head_dim!r}")
+            require(whole(name) and getattr(self, name) > 0, name, "must be a positive integer")
+        for name in ("head_dim", "mlp_hidden", "window"):
+            require(whole(name) and getattr(self, name) >= 0, name, "must be a non-negative integer (0: the default)")
         if self.head_dim == 0:
-            if self.n_embd % self.n_head != 0:
-                raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}), or set head_dim")
+            require(self.n_embd % self.n_head == 0, "n_embd", f"must be divisible by n_head ({self.n_head}), or set head_dim")
             self.head_dim = self.n_embd // self.n_head
-        if self.n_head % self.n_kv_head != 0:
-            raise ValueError(f"GPTConfig.n_head ({self.n_head}) must be divisible by n_kv_head ({self.n_kv_head})")
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"GPTConfig.head_dim ({self.head_dim}) must be even for RoPE")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if self.mlp not in MLP_KINDS:
-            raise ValueError(f"GPTConfig.mlp must be one of {MLP_KINDS}, got {self.mlp!r}")
-        if not isinstance(self.mlp_hidden, int) or self.mlp_hidden < 0:
-            raise ValueError(f"GPTConfig.mlp_hidden must be a non-negative integer (0 = default), got {self.mlp_hidden!r}")
-        if self.rope_base <= 0 or self.norm_eps <= 0:
-            raise ValueError(f"GPTConfig.rope_base and norm_eps must be positive, got {self.rope_base!r} and {self.norm_eps!r}")
+        require(self.n_head % self.n_kv_head == 0, "n_head", f"must be divisible by n_kv_head ({self.n_kv_head})")
+        require(self.head_dim % 2 == 0, "head_dim", "must be even for RoPE")
+        require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        require(self.mlp in MLP_KINDS, "mlp", f"must be one of {MLP_KINDS}")
+        require(self.rope_base > 0, "rope_base", "must be positive")
+        require(self.norm_eps > 0, "norm_eps", "must be positive")
 
     @property
     def mlp_width(self):
@@ -82,117 +78,91 @@ class GPTConfig:
         return 4 * self.n_embd
 
 
-# ----------------------------------------------------------------------------------------------------
-# A linear layer for decoding on CPU
-
-
-class Linear(nn.Linear):
-    """nn.Linear (the same parameters and names), which on CPU computes an input of 4 to 16 rows, the batch of
-    a decode step, as (W @ x^T)^T: for such thin inputs MKL's fp32 kernel for x @ W^T runs well below memory
-    bandwidth (24.7 vs 13.6 ms for the 50304 x 768 output head at 8 rows; bench/RESULTS.md). One row, and
-    2 to 3 rows, where the transposed product is slower, and everything on GPUs, take the usual path."""
-
-    def forward(self, x):
-        rows = x.numel() // x.size(-1)
-        if x.device.type != "cpu" or not 4 <= rows <= 16:
-            return super().forward(x)
-        y = (self.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], -1)
+def norm(dim, config):
+    """Every norm of the model is made here: RMSNorm with a learned scale, as in Llama and Qwen3."""
+    return nn.RMSNorm(dim, eps=config.norm_eps)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Rotary position embeddings
+# Positions: RoPE and the mask rule, both functions of the tokens' positions
 
 
-def rope_tables(head_dim, max_len, base):
-    """cos and sin of position * frequency, each (max_len, head_dim) in fp32: the angle of pair i
-    (dims i and i + head_dim/2) is written at both of its columns, so apply_rope needs no slicing."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, hd/2)
-    angles = torch.cat((angles, angles), dim=-1)  # (max_len, hd)
-    return angles.cos(), angles.sin()
+def rope(x, positions, base):
+    """Rotate each pair (x[i], x[i + hd/2]) of x (B, T, h, hd) by the angle p * base^(-2i/hd) of its token's
+    position p: (x[i] cos - x[i + hd/2] sin, x[i + hd/2] cos + x[i] sin). positions is (T,). In fp32, also
+    under bf16 autocast: angles of long contexts need the precision."""
+    head_dim = x.size(-1)
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)  # (hd/2,)
+    angles = positions[:, None].float() * inv_freq  # (T, hd/2)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # (T, 1, hd/2): the same for every head
+    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, h, hd/2) each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def apply_rope(x, rope_cos, rope_sin):
-    """Rotate each pair (x[i], x[i + hd/2]) of x (B, T, nh, hd) by its position's angle:
-    (x[i] cos - x[i + hd/2] sin, x[i + hd/2] cos + x[i] sin), written as x cos + rotate_half(x) sin.
-
-    rope_cos and rope_sin are (T, hd): the rows for the positions of x's T tokens.
-    """
-    x_float = x.float()  # rotate in fp32 under bf16 autocast too
-    x1, x2 = x_float.chunk(2, dim=-1)  # (B, T, nh, hd/2) each
-    rotated_half = torch.cat((-x2, x1), dim=-1)  # (B, T, nh, hd): each dim's partner, signed
-    rotated = x_float * rope_cos[:, None, :] + rotated_half * rope_sin[:, None, :]  # (T, 1, hd) broadcast over heads
-    return rotated.to(x.dtype)
+def can_attend(query_pos, key_pos, window):
+    """The mask rule, for every attention path: True where the query at query_pos may see the key at key_pos
+    (tensors that broadcast). Causal: no key after the query; with a window, none window or more before it."""
+    visible = key_pos <= query_pos
+    if window:
+        visible = visible & (key_pos > query_pos - window)
+    return visible
 
 
 # ----------------------------------------------------------------------------------------------------
 # Attention and the KV cache
 
 
-def causal_attention(q, k, v, n_cached, dropout_p=0.0, input_pos=None):
-    """softmax(q k^T / sqrt(hd) + causal mask) v, with grouped-query heads.
+def attention(q, k, v, positions, window, dropout_p=0.0):
+    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query heads, where the mask is can_attend's.
 
-    q is (B, nh, T, hd) for T new tokens at positions n_cached .. n_cached + T - 1; k and v are
-    (B, n_kv, n_cached + T, hd), every key from position 0. Query i may see keys 0 .. n_cached + i.
-    With input_pos, the positions (T,) of the queries as a tensor, k and v are instead the whole cache
-    (B, n_kv, max_len, hd) and n_cached is unused: the static shapes that torch.compile needs.
+    q is (B, nh, T, hd) for the tokens at positions (T,); k and v are (B, n_kv, S, hd), the keys of positions
+    0 .. S-1. When S == T the queries are those same positions 0 .. T-1 (a whole sequence), and without a
+    window can_attend is then SDPA's is_causal, its fastest kernel; the invariant tests check they agree.
     """
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
-    mask = None  # True where a query may see a key; None: every query sees every key
-    if input_pos is not None:  # the query at position p sees keys 0 .. p; the unfilled rest is masked out
-        mask = input_pos[:, None] >= torch.arange(S, device=q.device)  # (T, max_len)
-    elif n_cached == 0:  # training or a fresh prefill: the square causal mask
-        # enable_gqa lets SDPA pair query head h with kv head h // (nh // n_kv) without copying K and V.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
-                                              enable_gqa=n_head != n_kv_head)
-    elif T > 1:  # a chunk after a cached prefix: is_causal would align the mask top-left (query i sees
-        # keys 0..i), so spell the bottom-right alignment out: row i allows columns 0 .. n_cached + i.
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=n_cached)
-    if T == 1:  # decoding one token: the query heads of a group see the same keys under the same mask, so
-        # they can be the rows of one query block per kv head: no GQA pairing, each kv head read once.
-        group_queries = q.reshape(B, n_kv_head, n_head // n_kv_head, head_dim)  # (B, n_kv, nh/n_kv, hd)
-        y = F.scaled_dot_product_attention(group_queries, k, v, attn_mask=mask, dropout_p=dropout_p)
+    if window == 0 and T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
+    mask = can_attend(positions[:, None], torch.arange(S, device=q.device), window)  # (T, S)
+    if T == 1:  # one token: the query heads of a kv group become the rows of one query block, so SDPA
+        # reads each kv head once and needs no GQA pairing (they share the token's position, so the mask row)
+        y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
+                                           attn_mask=mask, dropout_p=dropout_p)
         return y.view(B, n_head, 1, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
 
 
 class KVCache:
-    """Keys and values of every layer for up to max_len positions, preallocated once.
+    """Keys and values of every layer for up to max_len positions, preallocated once; position p in slot p.
 
-    Only the n_kv_head key/value heads are stored, so with GQA the cache is n_head / n_kv_head times
-    smaller than a multi-head cache of the same model (and decoding reads that much less memory).
+    Only the n_kv_head key/value heads are stored, so with GQA the cache is n_head / n_kv_head times smaller
+    than a multi-head cache (and decoding reads that much less memory). A growing cache counts its filled
+    positions (pos) and attention reads slots 0 .. pos + T - 1; a static cache (static=True) is written at the
+    positions its caller gives and read whole, so shapes never change (torch.compile); its caller keeps count.
     """
 
-    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None):
+    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.layer_ids = torch.arange(n_layer, device=device)  # indices as a tensor: see update
+        self.static = static
         self.pos = 0  # how many positions are filled; the next token goes here
 
     @property
     def max_len(self):
         return self.k.size(3)
 
-    def append(self, layer, k, v):
-        """Write this layer's k, v (B, n_kv, T, hd) at pos; return all keys and values up to pos + T."""
-        end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-    def write(self, layer, k, v, input_pos):
-        """append's static-shape twin (gpt-fast's): write k, v (B, n_kv, T, hd) at the positions input_pos (T,),
-        a tensor, and return the whole buffers (B, n_kv, max_len, hd). Neither reads nor moves pos."""
-        # One index_put_ on the whole buffer rather than on the view self.k[layer]: compiled, a write into a view
-        # of an input becomes a copy of the whole input (every layer's cache, every step), this one stays in place.
-        index = (torch.tensor([layer], device=input_pos.device), slice(None), slice(None), input_pos)
+    def update(self, layer, k, v, positions):
+        """Write this layer's k, v (B, n_kv, T, hd) of the tokens at positions (T,) into their slots; return the
+        keys and values attention reads (B, n_kv, S, hd): slots 0 .. pos + T - 1, or every slot if static."""
+        # One index_put_ on the whole buffer, not on the view self.k[layer]: compiled, a write into a view of an
+        # input becomes a copy of the whole input (every layer's cache, every step); this one stays in place.
+        index = (self.layer_ids[layer:layer + 1], slice(None), slice(None), positions)
         self.k[index] = k.permute(2, 0, 1, 3)  # the indexed dims come first: (T, B, n_kv, hd)
         self.v[index] = v.permute(2, 0, 1, 3)
-        return self.k[layer], self.v[layer]
+        n_keys = self.max_len if self.static else self.pos + k.size(2)
+        return self.k[layer, :, :, :n_keys], self.v[layer, :, :, :n_keys]
 
     def select_rows(self, rows):
         """Keep the batch rows `rows` (indices, in order; a repeated index copies its row): share one
@@ -212,33 +182,28 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx  # which slice of the KV cache is ours
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.dropout = config.dropout
-        self.q_proj = Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
-        self.k_proj = Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
-        self.v_proj = Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
-        self.o_proj = Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        self.config = config
+        self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
+        self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
+        self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        if config.qk_norm:  # one weight per head dim, shared by all heads (Qwen3)
-            self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
+        # one weight per head dim, shared by all heads (Qwen3)
+        self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
+        self.k_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
 
-    def forward(self, x, rope_cos, rope_sin, kv_cache=None, input_pos=None):
+    def forward(self, x, positions, kv_cache=None):
+        """x (B, T, C) of the tokens at positions (T,)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim))  # (B, T, nh, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim))  # (B, T, n_kv, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
+        q, k = rope(q, positions, self.config.rope_base), rope(k, positions, self.config.rope_base)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first: (B, h, T, hd)
-        n_cached = 0
-        if input_pos is not None:
-            k, v = kv_cache.write(self.layer_idx, k, v, input_pos)  # (B, n_kv, max_len, hd)
-        elif kv_cache is not None:
-            n_cached = kv_cache.pos
-            k, v = kv_cache.append(self.layer_idx, k, v)  # (B, n_kv, n_cached + T, hd)
-        dropout_p = self.dropout if self.training else 0.0
-        y = causal_attention(q, k, v, n_cached, dropout_p, input_pos)  # (B, nh, T, hd)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v, positions)  # (B, n_kv, S, hd): the cached keys too
+        dropout_p = self.config.dropout if self.training else 0.0
+        y = attention(q, k, v, positions, self.config.window, dropout_p)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_dropout(self.o_proj(y))
 
@@ -253,9 +218,9 @@ class MLP(nn.Module):
         self.kind = config.mlp
         width = config.mlp_width
         if self.kind == "swiglu":  # silu(gate) * up: a learned gate on each hidden unit
-            self.gate_proj = Linear(config.n_embd, width, bias=config.bias)
-        self.up_proj = Linear(config.n_embd, width, bias=config.bias)
-        self.down_proj = Linear(width, config.n_embd, bias=config.bias)
+            self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
+        self.down_proj = nn.Linear(width, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
@@ -271,13 +236,13 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.input_layernorm = norm(config.n_embd, config)
         self.self_attn = CausalSelfAttention(config, layer_idx)
-        self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.post_attention_layernorm = norm(config.n_embd, config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope_cos, rope_sin, kv_cache=None, input_pos=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope_cos, rope_sin, kv_cache, input_pos)
+    def forward(self, x, positions, kv_cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -288,62 +253,62 @@ class GPT(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.norm = norm(config.n_embd, config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Computed once for every position; not saved in checkpoints (they follow from the config).
-        rope_cos, rope_sin = rope_tables(config.head_dim, config.block_size, config.rope_base)
-        self.register_buffer("rope_cos", rope_cos, persistent=False)
-        self.register_buffer("rope_sin", rope_sin, persistent=False)
         self.reset_parameters()
 
     def reset_parameters(self):
-        """GPT-2's init: N(0, 0.02) weights, zero biases, and the projections that write into the
-        residual stream scaled by 1/sqrt(2 * n_layer) so its variance does not grow with depth.
-        The logits of a fresh model are then near zero and its loss near ln(vocab_size)."""
-        for name, param in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(param)
-            elif name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layer))
-            else:
-                nn.init.normal_(param, std=0.02)
+        """GPT-2's init, by module: N(0, 0.02) embeddings and linear weights, zero biases, norms as they
+        initialize themselves (scale 1), and the linears that write into the residual stream scaled by
+        1/sqrt(2 * n_layer), so the stream's variance does not grow with depth. A fresh model's logits
+        are then near zero and its loss near ln(vocab_size)."""
+        writes_residual = {m for block in self.layers for m in (block.self_attn.o_proj, block.mlp.down_proj)}
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if module is self.lm_head and self.config.tie_embeddings:
+                    continue  # its weight is the embedding's, initialized already
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if module in writes_residual else 1.0
+                nn.init.normal_(module.weight, std=0.02 * scale)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()  # norms: scale 1 (and bias 0)
 
     def hidden_states(self, idx, kv_cache=None, input_pos=None):
         """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T).
 
-        With a kv_cache, idx continues the cached sequence: its positions start at kv_cache.pos, it
-        attends to the cached prefix, and it is appended to the cache.
-        With a kv_cache and input_pos, the positions (T,) of idx as a tensor, the static-shape path for
-        torch.compile (gpt-fast's): k and v are written at input_pos and every query attends over the
-        whole cache, masked. No shape or Python number changes from step to step, so a compiled decode
-        step compiles once. kv_cache.pos is neither read nor advanced: the caller keeps count.
+        With a kv_cache, idx continues the cached sequence: it attends to the cached positions and is written
+        to the cache. A growing cache places idx after its pos filled positions and advances pos; a static
+        cache takes the positions as input_pos (T,), a tensor, and leaves the counting to the caller.
         """
-        B, T = idx.shape
-        if kv_cache is not None:
-            if input_pos is None and kv_cache.pos + T > kv_cache.max_len:
-                raise ValueError(f"KV cache overflow: {kv_cache.pos} cached + {T} new tokens > max_len {kv_cache.max_len}; "
-                                 f"make the cache larger with new_kv_cache(batch_size, max_len)")
-            if kv_cache.k.size(1) != B:
-                raise ValueError(f"KV cache was made for batch size {kv_cache.k.size(1)}, got a batch of {B}")
-        elif input_pos is not None:
-            raise ValueError("input_pos needs a kv_cache to write the keys and values to")
-        elif T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        if input_pos is None:  # the positions follow the cached ones
-            start = kv_cache.pos if kv_cache is not None else 0
-            rope_cos, rope_sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]  # (T, hd)
-        else:
-            rope_cos, rope_sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # (T, hd)
+        positions = self.positions(idx, kv_cache, input_pos)  # (T,)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
-            x = block(x, rope_cos, rope_sin, kv_cache, input_pos)
-        if kv_cache is not None and input_pos is None:
-            kv_cache.pos += T  # every layer has appended its keys and values
+            x = block(x, positions, kv_cache)
+        if kv_cache is not None and not kv_cache.static:
+            kv_cache.pos += idx.size(1)  # every layer has written its keys and values
         return self.norm(x)
+
+    def positions(self, idx, kv_cache, input_pos):
+        """The positions (T,) of the tokens idx (B, T), after checking that they fit where they go."""
+        B, T = idx.shape
+        if (input_pos is not None) != (kv_cache is not None and kv_cache.static):
+            raise ValueError("input_pos goes with a static KV cache, and a static cache needs it: "
+                             "model(idx, kv_cache=model.new_kv_cache(..., static=True), input_pos=positions)")
+        if kv_cache is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+            return torch.arange(T, device=idx.device)
+        if kv_cache.k.size(1) != B:
+            raise ValueError(f"KV cache was made for batch size {kv_cache.k.size(1)}, got a batch of {B}")
+        if kv_cache.static:
+            return input_pos
+        if kv_cache.pos + T > kv_cache.max_len:
+            raise ValueError(f"KV cache overflow: {kv_cache.pos} cached + {T} new tokens > max_len {kv_cache.max_len}; "
+                             f"make the cache larger with new_kv_cache(batch_size, max_len)")
+        return torch.arange(kv_cache.pos, kv_cache.pos + T, device=idx.device)
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None):
         """Logits (B, T, vocab_size) for the tokens idx (B, T), and the mean cross-entropy against
@@ -354,16 +319,16 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
-    def new_kv_cache(self, batch_size, max_len, dtype=None, device=None):
-        """An empty KV cache for batch_size sequences of up to max_len tokens. Under bf16 autocast,
-        pass dtype=torch.bfloat16 (the dtype k and v are computed in)."""
+    def new_kv_cache(self, batch_size, max_len, dtype=None, device=None, static=False):
+        """An empty KV cache for batch_size sequences of up to max_len tokens (static: see KVCache). Under
+        bf16 autocast, pass dtype=torch.bfloat16 (the dtype k and v are computed in)."""
         if not 1 <= max_len <= self.config.block_size:
             raise ValueError(f"KV cache max_len must be in [1, block_size={self.config.block_size}], got {max_len}")
         if batch_size < 1:
             raise ValueError(f"KV cache batch_size must be at least 1, got {batch_size}")
         param = self.lm_head.weight
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
-                       device=device or param.device, dtype=dtype or param.dtype)
+                       device=device or param.device, dtype=dtype or param.dtype, static=static)
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -409,11 +374,28 @@ class GPT(nn.Module):
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
 
+# ----------------------------------------------------------------------------------------------------
+# Choosing the next token
+
+
+def check_sampling(temperature, top_k, top_p):
+    """ValueError, naming the setting, unless temperature >= 0 (0: greedy), top_k is None or an integer
+    >= 1 and top_p is None or in (0, 1]."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """Next-token probabilities (B, V) from logits (B, V): divided by temperature, then restricted to
-    the top_k most likely tokens and to the smallest set whose probability reaches top_p. temperature>0."""
-    if temperature <= 0:
-        raise ValueError(f"sampling_probs needs temperature > 0, got {temperature}")
+    """Next-token probabilities (B, V) from logits (B, V): divided by temperature, then restricted to the
+    top_k most likely tokens and to the smallest set whose probability reaches top_p. Temperature 0 puts all
+    the mass on the most likely token: greedy decoding is sampling from that one-hot distribution."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
     logits = logits.float() / temperature
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
@@ -430,14 +412,8 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
 
 
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token id per row of logits (B, V), as (B, 1); temperature 0 takes the most likely."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
+    """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs."""
     probs = sampling_probs(logits, temperature, top_k, top_p)
+    if temperature == 0:  # one-hot: its only token, without a random draw
+        return probs.argmax(dim=-1, keepdim=True)
     return torch.multinomial(probs, num_samples=1, generator=generator)

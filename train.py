@@ -18,15 +18,21 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device, resolve_dtype, save_checkpoint
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from model import GPT, GPTConfig
+
+# The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
+# vocab_size 0 means the dataset's, rounded up to a multiple of 64.
+MODEL_DEFAULTS = {f.name: f.default for f in fields(GPTConfig)} | dict(
+    vocab_size=0, block_size=256, n_layer=6, n_head=6, n_kv_head=6, n_embd=384)
 
 DEFAULTS = dict(
     # output and logging
@@ -42,23 +48,8 @@ DEFAULTS = dict(
     # data
     dataset="shakespeare_char",  # a folder under data/
     batch_size=12,  # sequences per micro-step and process
-    block_size=256,
     gradient_accumulation_steps=1,  # micro-steps per optimizer step, over all processes together
-    # model (see GPTConfig)
-    vocab_size=0,  # 0: the dataset's, rounded up to a multiple of 64
-    n_layer=6,
-    n_head=6,
-    n_kv_head=6,
-    n_embd=384,
-    head_dim=0,  # 0: n_embd // n_head
-    dropout=0.0,
-    bias=False,
-    mlp="swiglu",
-    mlp_hidden=0,
-    qk_norm=True,
-    rope_base=10000.0,
-    norm_eps=1e-5,
-    tie_embeddings=True,
+    **MODEL_DEFAULTS,  # every GPTConfig field (see model.py); block_size is also the training context
     # optimizer: AdamW for everything, or Muon for the matrices inside the blocks and AdamW for the rest
     optimizer="adamw",  # "adamw" or "muon"
     learning_rate=1e-3,
@@ -94,9 +85,7 @@ class TrainError(Exception):
 
 def setup_distributed(settings):
     """(rank, world_size, device) for this process; torchrun sets RANK, LOCAL_RANK and WORLD_SIZE."""
-    device = settings["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device = resolve_device(settings["device"])
     if "RANK" not in os.environ:
         return 0, 1, device
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -107,33 +96,9 @@ def setup_distributed(settings):
     return rank, world_size, device
 
 
-def autocast_dtype(settings, device_type):
-    dtype = settings["dtype"]
-    if dtype == "auto":
-        dtype = "bfloat16" if device_type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise TrainError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return getattr(torch, dtype)
-
-
-def load_checkpoint(path):
-    """The checkpoint dict; loaded with weights_only=True, so opening it never runs code."""
-    if not os.path.exists(path):
-        raise TrainError(f"no checkpoint at {path}; train one first with --init_from=scratch")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated or corrupt files raise several kinds
-        raise TrainError(f"cannot read checkpoint {path} ({(str(e) or type(e).__name__).splitlines()[0]}); it is truncated or corrupt") from None
-
-
 def load_pretrained(folder, meta):
     """The model of a Hugging Face folder to fine-tune (init_from="hf:folder"); its tokenizer must be the data's."""
-    from export import ConvertError, load_hf  # needs safetensors, which only this path uses
-
-    try:
-        model, model_meta = load_hf(folder)
-    except ConvertError as e:
-        raise TrainError(str(e)) from None
+    model, model_meta = load_hf(folder)
     if model_meta is not None and model_meta != meta:
         raise TrainError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, {model_meta['vocab_size']} "
                          f"tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} tokens); "
@@ -223,13 +188,6 @@ def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
     return losses
 
 
-def save_checkpoint(path, checkpoint):
-    """torch.save to a temp file, then rename: a crash never leaves a half-written checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
-
-
 class MetricsLog:
     """Every logged figure, appended as one JSON line to out_dir/metrics.jsonl, and sent to wandb if on."""
 
@@ -286,7 +244,7 @@ def main(argv):
     rank, world_size, device = setup_distributed(settings)
     master = rank == 0  # only it prints, logs and saves
     device_type = device.split(":")[0]
-    ptdtype = autocast_dtype(settings, device_type)
+    ptdtype = resolve_dtype(settings["dtype"], device_type)
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if settings["gradient_accumulation_steps"] % world_size:
@@ -478,5 +436,5 @@ def check_finite(loss, iter_num, ckpt_path):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, TrainError) as e:
+    except (ConfigError, DataError, TrainError, CheckpointError) as e:
         sys.exit(f"error: {e}")

@@ -1,4 +1,4 @@
-"""Decode speed of sample.py on this machine: tokens/s with the KV cache, without it, and speculative, against
+"""Decode speed of the engine (what sample.py runs) on this machine: tokens/s with the KV cache, without it, and speculative, against
 transformers' LlamaForCausalLM.generate and against the memory-bandwidth floor.
 
     python bench/bench_sample.py                         # both models, all columns: a few minutes on 2 CPU cores
@@ -24,12 +24,14 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # run as a script: make model.py and sample.py importable
+sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 import torch.nn as nn
 
+from checkpoint import load_model
+from engine import Samples, decode_batch, decode_speculative
 from model import GPT, GPTConfig
-from sample import Samples, Tokenizer, decode_batch, decode_speculative
+from tokenizer import Tokenizer
 
 SHORT_PROMPT = 16
 SPEC_K = 4  # draft tokens per speculative step, sample.py's default
@@ -98,10 +100,8 @@ def build_models(name, seed):
     torch.manual_seed(seed)
     ckpt_path = os.path.join(ROOT, "out-small", "ckpt.pt")
     if name == "small" and os.path.exists(ckpt_path):
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        model = GPT(GPTConfig(**checkpoint["model_config"]))
-        model.load_state_dict(checkpoint["model"])
-        return model.eval(), Tokenizer(checkpoint["meta"]), "config/small.py shape, trained (out-small/ckpt.pt)"
+        model, meta = load_model(ckpt_path)
+        return model, Tokenizer(meta), "config/small.py shape, trained (out-small/ckpt.pt)"
     if name == "small":
         return GPT(GPTConfig(**SMALL_CONFIG)).eval(), NullTokenizer(65), "config/small.py shape, random weights"
     return GPT(GPTConfig(**GPT2_CONFIG)).eval(), NullTokenizer(50257), "GPT-2-small size, random weights"
@@ -122,7 +122,7 @@ def settings_for(batch, n_new, no_kv_cache=False, compile=False):
 
 
 def ours(model, tokenizer, prompt_ids, batch, no_kv_cache=False, compile=False):
-    """A function of n_new that runs sample.py's decode_batch as sample.py does, without streaming."""
+    """A function of n_new that runs engine.decode_batch as sample.py does, without streaming."""
     def run(n_new):
         samples = Samples(batch, tokenizer, [], stream=False)
         decode_batch(model, prompt_ids, settings_for(batch, n_new, no_kv_cache, compile), samples,

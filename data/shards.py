@@ -14,12 +14,12 @@ import os
 import numpy as np
 import torch
 
+from tokenizer import GPT2_META  # a folder of llm.c shards without meta.json is GPT-2 tokens, what llm.c writes
+
 MAGIC = 20240520  # llm.c's token shard magic
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtype
-# a folder of llm.c shards without meta.json is GPT-2 tokens, which is what llm.c writes
-GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
 
 
 class DataError(Exception):

@@ -20,9 +20,11 @@ transformers = pytest.importorskip("transformers")  # in requirements-dev.txt; C
 
 import sample  # noqa: E402
 import train  # noqa: E402
+from checkpoint import CheckpointError, gpt_config, load_hf, load_model  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
-from export import ConvertError, export_hf, gpt_config, hf_config, load_hf, tokenizer_json  # noqa: E402
+from export import ConvertError, export_hf, hf_config, tokenizer_json  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -169,7 +171,7 @@ def test_exported_tokenizers_load_with_autotokenizer_and_come_back(tmp_path):
                               n_kv_head=1, n_embd=16))
         export_hf(model, meta, str(folder))
         theirs = transformers.AutoTokenizer.from_pretrained(folder)
-        assert sample.Tokenizer(meta).encode(text) == theirs.encode(text)
+        assert Tokenizer(meta).encode(text, special_tokens=True) == theirs.encode(text)
         assert theirs.decode(theirs.encode(text)) == text
         assert load_hf(str(folder))[1] == meta  # recognized as the meta data prepared here has
 
@@ -177,7 +179,7 @@ def test_exported_tokenizers_load_with_autotokenizer_and_come_back(tmp_path):
 def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     """A tokenizer.json that is not GPT-2's (here GPT-2's with fewer merges, one more special token, and
     pre-tokenized as Qwen's is: NFC, a Split regex, then bytes) is read as a "bpe" meta, and
-    sample.Tokenizer then encodes as transformers does."""
+    Tokenizer then encodes as transformers does."""
     spec = tokenizer_json(GPT2_META)
     spec["normalizer"] = dict(type="NFC")
     spec["pre_tokenizer"] = dict(type="Sequence", pretokenizers=[
@@ -198,16 +200,16 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 5258 and meta["eot_token"] == 5257
     theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     text = "First Citizen:\nBefore we proceed 2024 times, hear me speak.<|im_end|> ünïcödé cafe\u0301"
-    ours = sample.Tokenizer(meta)
-    assert ours.encode(text) == theirs.encode(text)
+    ours = Tokenizer(meta)
+    assert ours.encode(text, special_tokens=True) == theirs.encode(text)
     decode = ours.decoder()
-    assert "".join(decode(t) for t in ours.encode(text)) == unicodedata.normalize("NFC", text)
+    assert "".join(decode(t) for t in ours.encode(text, special_tokens=True)) == unicodedata.normalize("NFC", text)
 
     steps = spec["pre_tokenizer"]["pretokenizers"]
     for changed in ([dict(type="Digits", individual_digits=True), steps[1]], [steps[0], dict(steps[1], add_prefix_space=True)]):
         spec["pre_tokenizer"]["pretokenizers"] = changed  # what tiktoken cannot do is refused, not ignored
         (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-        with pytest.raises(ConvertError, match="only byte-level BPE"):
+        with pytest.raises(CheckpointError, match="only byte-level BPE"):
             load_hf(str(tmp_path))
 
 
@@ -238,7 +240,7 @@ def test_export_refuses_switches_without_an_equivalent(overrides, needle, tmp_pa
 def test_import_refuses_llama_configs_without_an_equivalent(change, needle):
     hf = dict(hf_config(our_model("llama_like").config), **change)
     hf.pop("rope_parameters") if "rope_scaling" in change else None
-    with pytest.raises(ConvertError, match=needle):
+    with pytest.raises(CheckpointError, match=needle):
         gpt_config(hf)
 
 
@@ -248,7 +250,7 @@ def test_import_refuses_llama_configs_without_an_equivalent(change, needle):
     (dict(attention_bias=True), "attention_bias"),
 ])
 def test_import_refuses_qwen3_configs_without_an_equivalent(change, needle):
-    with pytest.raises(ConvertError, match=needle):
+    with pytest.raises(CheckpointError, match=needle):
         gpt_config(dict(hf_config(our_model("qwen3_like").config), **change))
 
 
@@ -258,18 +260,18 @@ def test_import_reads_safetensors_only_and_checks_them(tmp_path):
     weights = tmp_path / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ConvertError, match="truncated or corrupt"):
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
         load_hf(str(tmp_path))
     weights.unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(ConvertError, match="never pickles"):
+    with pytest.raises(CheckpointError, match="never pickles"):
         load_hf(str(tmp_path))
-    with pytest.raises(ConvertError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         load_hf(str(tmp_path / "nowhere"))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
     weights.write_bytes(data)
-    with pytest.raises(ConvertError, match="shape"):
+    with pytest.raises(CheckpointError, match="shape"):
         load_hf(str(tmp_path))
 
 
@@ -320,7 +322,7 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path):
 
 def test_sample_errors_for_hf_folders(tmp_path):
     export_hf(our_model("llama_like"), None, str(tmp_path))
-    with pytest.raises(sample.SampleError, match="no tokenizer.json"):
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
         run_sample(f"--init_from=hf:{tmp_path}")
     with pytest.raises(sample.SampleError, match="init_from must be"):
         run_sample(f"--init_from={tmp_path}")
@@ -336,7 +338,7 @@ def char_data(tmp_path_factory):
 def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_path):
     """The run's first evaluation equals that of the exported model itself: the weights arrived intact."""
     folder = tmp_path / "hf"
-    model, meta = sample.load_model(char_ckpts["swiglu"], "cpu", torch.float32)
+    model, meta = load_model(char_ckpts["swiglu"])
     export_hf(model, meta, str(folder))
     out_dir = tmp_path / "run"
     args = dict(dataset="shakespeare_char", init_from=f"hf:{folder}", out_dir=str(out_dir), block_size=32, batch_size=4,

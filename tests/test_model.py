@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPT, GPTConfig, KVCache, apply_rope, causal_attention, rope_tables, sample_next_token, sampling_probs
+from model import GPT, GPTConfig, KVCache, attention, rope, sample_next_token, sampling_probs
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
 
@@ -52,19 +52,20 @@ def test_attention_matches_formula(kind, n_cached, T):
     k = torch.randn(B, HEADS[kind], n_cached + T, hd)
     v = torch.randn(B, HEADS[kind], n_cached + T, hd)
     expected = attention_by_hand(q, k, v, n_cached)
-    torch.testing.assert_close(causal_attention(q, k, v, n_cached), expected, atol=1e-5, rtol=1e-5)
+    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), window=0)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", HEADS)
 @pytest.mark.parametrize("T", [1, 4], ids=["decode", "chunk"])
 def test_static_attention_over_whole_cache_matches_formula(kind, T):
-    """The input_pos path reads the whole preallocated cache: the unfilled rest (garbage here) must not count."""
+    """A static cache is read whole: the unfilled rest (garbage here) must not count."""
     torch.manual_seed(0)
     B, hd, n_cached, max_len = 2, 8, 11, 24
     q = torch.randn(B, 4, T, hd)
     k, v = torch.randn(B, HEADS[kind], max_len, hd) * 5, torch.randn(B, HEADS[kind], max_len, hd) * 5
     expected = attention_by_hand(q, k[:, :, :n_cached + T], v[:, :, :n_cached + T], n_cached)
-    actual = causal_attention(q, k, v, n_cached=None, input_pos=torch.arange(n_cached, n_cached + T))
+    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), window=0)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -106,7 +107,7 @@ def test_attention_layer_matches_formula(kind, qk_norm, head_dim):
     y = attention_by_hand(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), n_cached=0)
     expected = y.transpose(1, 2).reshape(B, T, -1) @ attn.o_proj.weight.T
     with torch.no_grad():
-        actual = attn(x, model.rope_cos[:T], model.rope_sin[:T])
+        actual = attn(x, torch.arange(T))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -190,14 +191,14 @@ def test_cached_chunks_equal_full_forward(kind):
 
 @pytest.mark.parametrize("kind", HEADS)
 def test_static_shape_path_equals_the_growing_cache(kind):
-    """input_pos (the path torch.compile uses): k and v written at tensor positions, attention over the whole
-    cache with a mask. Same logits as the growing cache, for decode steps and chunks, after a rollback too,
-    whatever the unfilled part of the cache holds."""
+    """A static cache (the path torch.compile uses): k and v written at positions given as a tensor (input_pos),
+    attention over the whole cache with a mask. Same logits as the growing cache, for decode steps and chunks,
+    after a rollback too, whatever the unfilled part of the cache holds."""
     model = tiny_model(n_kv_head=HEADS[kind], tie_embeddings=False)
     generator = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 97, (2, 40), generator=generator)
     with torch.no_grad():
-        growing, static = model.new_kv_cache(2, 48), model.new_kv_cache(2, 48)
+        growing, static = model.new_kv_cache(2, 48), model.new_kv_cache(2, 48, static=True)
         static.k.normal_(0, 100, generator=generator)  # stale values where nothing was written: masked out
         static.v.normal_(0, 100, generator=generator)
         start = 0
@@ -220,7 +221,7 @@ def test_static_shape_path_equals_the_growing_cache(kind):
 
 
 def test_static_decode_step_compiles_once():
-    """torch.compile of a decode step on the input_pos path traces one graph for every step; the growing cache
+    """torch.compile of a decode step on a static cache traces one graph for every step; the growing cache
     (a new shape each step) traces one per step. The backend counts traced graphs and runs them eagerly."""
     model = tiny_model(tie_embeddings=False)
     idx = torch.randint(0, 97, (2, 30))
@@ -235,8 +236,8 @@ def test_static_decode_step_compiles_once():
         torch._dynamo.reset()
         static_step = torch.compile(lambda tokens, cache, pos: model(tokens, kv_cache=cache, input_pos=pos)[0],
                                     backend=counting_backend, fullgraph=True, dynamic=False)
-        cache = model.new_kv_cache(2, 32)
-        model(idx[:, :8], kv_cache=cache)  # prefill, not compiled
+        cache = model.new_kv_cache(2, 32, static=True)
+        model(idx[:, :8], kv_cache=cache, input_pos=torch.arange(8))  # prefill, not compiled
         logits = [static_step(idx[:, t:t + 1], cache, torch.tensor([t])) for t in range(8, 30)]
         assert len(graphs) == 1
         assert (torch.cat(logits, dim=1) - expected).abs().max() < 1e-5
@@ -251,20 +252,6 @@ def test_static_decode_step_compiles_once():
             growing_step(idx[:, t:t + 1], cache)
         assert len(graphs) == 3  # the counter sees recompiles: the assertion above could fail
         torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_nn_linear_for_every_row_count(rows, bias):
-    """model.Linear computes 4 to 16 rows as (W @ x^T)^T on CPU; the result is nn.Linear's, in x's shape."""
-    from model import Linear
-    torch.manual_seed(0)
-    layer = Linear(48, 80, bias=bias)
-    x = torch.randn(rows, 1, 48)
-    expected = F.linear(x, layer.weight, layer.bias)
-    actual = layer(x)
-    assert actual.shape == (rows, 1, 80)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_gqa_cache_is_smaller_by_the_group_factor():
@@ -333,12 +320,11 @@ def test_sampling_probs_top_k_and_top_p():
 def test_rope_score_depends_only_on_relative_position():
     torch.manual_seed(0)
     hd = 16
-    rope_cos, rope_sin = rope_tables(hd, 200, base=10000.0)
     q, k = torch.randn(1, 1, 1, hd), torch.randn(1, 1, 1, hd)
 
     def score(m, n):
-        q_m = apply_rope(q, rope_cos[m:m + 1], rope_sin[m:m + 1])
-        k_n = apply_rope(k, rope_cos[n:n + 1], rope_sin[n:n + 1])
+        q_m = rope(q, torch.tensor([m]), base=10000.0)
+        k_n = rope(k, torch.tensor([n]), base=10000.0)
         return (q_m * k_n).sum().item()
 
     for m, n in [(5, 2), (9, 9), (3, 17)]:

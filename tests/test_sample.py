@@ -11,14 +11,12 @@ start costs seconds of `import torch`.
 """
 
 import io
-import math
 import os
 import re
 import runpy
 import subprocess
 import sys
 from dataclasses import asdict
-from statistics import NormalDist
 
 import pytest
 import tiktoken
@@ -295,153 +293,6 @@ def test_a_prompt_too_long_for_the_draft_is_a_one_line_error(ckpts, capsys, monk
 
 
 # ----------------------------------------------------------------------------------------------------
-# Speculative sampling reproduces the target's distribution
-
-
-V = 8  # vocabulary of the random models
-
-
-def random_gpt(seed, std):
-    """A tiny random GPT whose weights have standard deviation std: larger std, peakier distributions."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
-                              qk_norm=False, mlp="relu2"))
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 2:
-                    param.normal_(0, std)
-    return model.eval()
-
-
-def chi_square_threshold(df, alpha):
-    """The 1 - alpha quantile of the chi-square distribution with df degrees of freedom (Wilson-Hilferty)."""
-    z = NormalDist().inv_cdf(1 - alpha)
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi_square(counts, probs, min_expected=5.0):
-    """Pearson's statistic of counts against probs, cells expecting fewer than min_expected pooled; and df."""
-    n = counts.sum()
-    expected = n * probs
-    small = expected < min_expected
-    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
-    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
-    keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
-    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
-
-
-SPEC_PROMPT = [3]  # one token: the caches start empty, and a stale cache entry weighs the most
-
-
-def spec_models():
-    """A target and a draft that differ a lot (the draft is flatter, and seeded differently)."""
-    return random_gpt(1, 0.35), random_gpt(2, 0.2)
-
-
-def first_two_token_probs(model, prompt):
-    """The model's own probabilities of the first token (V,) and of the first two tokens (V * V,), computed
-    directly: one forward for the first, one batch of V continuations for the second."""
-    with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([prompt]))[0][0, -1].double(), -1)
-        second = torch.softmax(model(torch.tensor([prompt + [x] for x in range(V)]))[0][:, -1].double(), -1)
-    return first, (first[:, None] * second).flatten()
-
-
-def speculative_counts(target, draft, prompt, k, trials, seed):
-    """Counts (V * V,) of the first two new tokens over `trials` runs of speculative steps from the prompt,
-    and the number of steps taken. Both caches are prefilled once and truncated back after each run."""
-    settings = dict(temperature=1.0, top_k=None, top_p=None)
-    generator = torch.Generator().manual_seed(seed)
-    target_cache, _ = sample.prefill(target, torch.tensor([prompt]), target.config.block_size)
-    draft_cache, _ = sample.prefill(draft, torch.tensor([prompt]), draft.config.block_size)
-    start = target_cache.pos
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    steps = 0
-    for _ in range(trials):
-        tokens = list(prompt)
-        while len(tokens) < len(prompt) + 2:  # a rejection at the first proposal gives one token: step again
-            new, accepted = sample.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
-                                                    generator)
-            assert 1 <= len(new) <= k + 1 and accepted == len(new) - 1
-            tokens += new
-            steps += 1
-        counts[tokens[len(prompt)] * V + tokens[len(prompt) + 1]] += 1
-        target_cache.truncate(start)
-        draft_cache.truncate(start)
-    return counts, steps
-
-
-ALPHA = 1e-6  # the seeds are fixed; this is the chance that they were unlucky, were the code right
-
-
-@pytest.mark.parametrize("k, trials", [(1, 1500), (2, 1000)])
-def test_speculative_sampling_reproduces_the_target_distribution(k, trials):
-    """The first two tokens after a prompt, over many speculative steps, are distributed as the target
-    samples them. The first token tests the acceptance rule and the replacement distribution; the pair also
-    tests the bonus token drawn when every proposal is accepted (k=1), the next proposal's verification (k=2),
-    and both caches rolled back after a rejection (a rejection of the first proposal needs a second step,
-    which reads both caches)."""
-    target, draft = spec_models()
-    p1, p12 = first_two_token_probs(target, SPEC_PROMPT)
-    q1, q12 = first_two_token_probs(draft, SPEC_PROMPT)
-    # the draft must differ from the target a lot, or a wrong acceptance rule would go unnoticed
-    assert 0.5 * (p1 - q1).abs().sum() > 0.25 and 0.5 * (p12 - q12).abs().sum() > 0.35
-    counts, steps = speculative_counts(target, draft, SPEC_PROMPT, k, trials, seed=1234 + k)
-    assert trials * 1.1 < steps < trials * 1.9  # some runs took one step, some two
-    stat, df = chi_square(counts.view(V, V).sum(1), p1)
-    assert stat < chi_square_threshold(df, ALPHA / 2), f"first token: chi-square {stat:.1f} on {df} df"
-    stat, df = chi_square(counts, p12)
-    assert stat < chi_square_threshold(df, ALPHA / 2), f"first two tokens: chi-square {stat:.1f} on {df} df"
-
-
-def test_the_distribution_test_sees_the_draft_distribution():
-    """Sanity of the statistics above: as many draws from the draft's distribution fail them (so would a rule
-    that accepted every proposal), and draws from the target's pass."""
-    target, draft = spec_models()
-    p1, p12 = first_two_token_probs(target, SPEC_PROMPT)
-    q1, q12 = first_two_token_probs(draft, SPEC_PROMPT)
-    generator = torch.Generator().manual_seed(0)
-    for p, q in ((p1, q1), (p12, q12)):
-        from_q = torch.bincount(torch.multinomial(q, 1000, replacement=True, generator=generator), minlength=len(p))
-        from_p = torch.bincount(torch.multinomial(p, 1000, replacement=True, generator=generator), minlength=len(p))
-        stat, df = chi_square(from_q.double(), p)
-        assert stat > chi_square_threshold(df, ALPHA / 2)
-        stat, df = chi_square(from_p.double(), p)
-        assert stat < chi_square_threshold(df, ALPHA / 2)
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
-    """What speculative_step promises its caller: after every step the target's cache holds exactly the
-    tokens but the last, and the draft's cache a prefix of them; the same keys a fresh prefill computes."""
-    target, draft = spec_models()
-    settings = dict(temperature=1.0, top_k=None, top_p=None)
-    generator = torch.Generator().manual_seed(k)
-    block_size = target.config.block_size
-    n_rejected = n_all_accepted = 0
-    for prompt in ([3], [3, 1, 4]):
-        tokens = list(prompt)
-        target_cache, _ = sample.prefill(target, torch.tensor([tokens]), block_size)
-        draft_cache, _ = sample.prefill(draft, torch.tensor([tokens]), block_size)
-        while len(tokens) + k <= block_size:
-            new, accepted = sample.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
-                                                    generator)
-            n_rejected, n_all_accepted = n_rejected + (accepted < k), n_all_accepted + (accepted == k)
-            tokens += new
-            assert target_cache.pos == len(tokens) - 1
-            assert draft_cache.pos <= len(tokens) - 1
-            for model, cache in ((target, target_cache), (draft, draft_cache)):
-                fresh = model.new_kv_cache(1, block_size)
-                with torch.no_grad():
-                    model.hidden_states(torch.tensor([tokens[:cache.pos]]), fresh)
-                for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
-                    torch.testing.assert_close(mine[:, :, :, :cache.pos], theirs[:, :, :, :cache.pos], atol=1e-5, rtol=0)
-    assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
-
-
-# ----------------------------------------------------------------------------------------------------
 # Errors a user sees: one line, what to do, no traceback
 
 
@@ -514,24 +365,6 @@ def test_errors_come_before_any_output(ckpts, capsys):
 
 
 TEXT = "Hi caf\u00e9 na\u00efve \u2014 \U0001F44B\U0001F3FD \u65e5\u672c\u8a9e \U0001F389 done."
-
-
-def test_bpe_streaming_decode_never_prints_a_broken_character():
-    enc = tiktoken.get_encoding("gpt2")
-    tokens = enc.encode(TEXT)
-
-    def whole(token):
-        try:
-            enc.decode_single_token_bytes(token).decode("utf-8")
-            return True
-        except UnicodeDecodeError:
-            return False
-
-    assert not all(whole(t) for t in tokens)  # some character is split across tokens: the case under test
-    decode = sample.Tokenizer({"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}).decoder()
-    pieces = [decode(t) for t in tokens]
-    assert "".join(pieces) == TEXT
-    assert not any("\ufffd" in piece for piece in pieces)
 
 
 @pytest.fixture(scope="module")

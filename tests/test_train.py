@@ -22,6 +22,7 @@ import torch
 
 import model as model_module
 import train
+from checkpoint import CheckpointError
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
 
@@ -127,7 +128,7 @@ def test_missing_dataset_gives_the_prepare_command(error_runs):
 
 
 def test_resume_without_a_checkpoint_says_to_train_first(workdir, tmp_path):
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(CheckpointError) as e:
         train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=2")
     message = str(e.value)
     assert "\n" not in message and os.path.join(str(tmp_path), "ckpt.pt") in message
@@ -141,7 +142,7 @@ def test_truncated_checkpoint_is_a_one_line_error_naming_the_file(workdir, train
         data = f.read()
     with open(path, "wb") as f:
         f.write(data[:int(len(data) * keep)])
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(CheckpointError) as e:
         train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=40")
     message = str(e.value)
     assert "\n" not in message and path in message and "truncated or corrupt" in message

@@ -23,12 +23,12 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
-import tiktoken
 from datasets import load_dataset
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shards import DataError, atomic_open, write_meta, write_shard
+from tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}  # extension -> datasets builder
@@ -86,8 +86,8 @@ def text_batches(records, field, skip):
 
 def tokenize(texts):
     """Worker: each document's GPT-2 tokens, prefixed with the end-of-text token."""
-    enc = tiktoken.get_encoding("gpt2")  # cached by tiktoken after a process's first call
-    return [np.array([enc.eot_token] + enc.encode_ordinary(text), dtype=np.uint16) for text in texts]
+    tokenizer = Tokenizer(GPT2_META)  # tiktoken caches the encoding after a process's first call
+    return [np.array([tokenizer.eot] + tokenizer.encode(text), dtype=np.uint16) for text in texts]
 
 
 def tokenize_stream(batches, pool, in_flight):
@@ -169,8 +169,7 @@ def main(argv=None):
     if progress["shards"]:
         print(f"resuming after {progress['shards']} finished shards ({progress['docs']:,} documents)")
     records = open_corpus(args, files)
-    enc = tiktoken.get_encoding("gpt2")
-    write_meta(args.out_dir, {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token})
+    write_meta(args.out_dir, GPT2_META)
 
     batches = text_batches(records, args.text_field, skip=progress["docs"])
     pool = ProcessPoolExecutor(args.num_workers) if args.num_workers > 1 else contextlib.nullcontext()

@@ -11,10 +11,10 @@ import sys
 import urllib.request
 
 import numpy as np
-import tiktoken
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shards import DataError, atomic_open, write_meta, write_shard
+from tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "input.txt")
@@ -54,13 +54,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     train_text, val_text = split_text(read_text(args.input))
-    enc = tiktoken.get_encoding("gpt2")
+    tokenizer = Tokenizer(GPT2_META)
     os.makedirs(args.out_dir, exist_ok=True)
     for split, text in [("train", train_text), ("val", val_text)]:
-        tokens = np.array(enc.encode_ordinary(text), dtype=np.uint16)  # ordinary: no special tokens in the text
+        tokens = np.array(tokenizer.encode(text), dtype=np.uint16)  # "<|endoftext|>" in the text is plain text
         write_shard(os.path.join(args.out_dir, f"shakespeare_{split}_000000.bin"), tokens)
         print(f"{split}: {len(tokens):,} tokens")
-    write_meta(args.out_dir, {"tokenizer": "gpt2", "vocab_size": enc.n_vocab, "eot_token": enc.eot_token})
+    write_meta(args.out_dir, GPT2_META)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shakespeare.prepare import read_text, split_text
 from data.shards import DataError, write_meta, write_shard
+from tokenizer import Tokenizer, char_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL_TEXT = os.path.join(HERE, "input.txt")
@@ -26,14 +27,14 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     text = read_text(args.input or (LOCAL_TEXT if os.path.isfile(LOCAL_TEXT) else None))
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
+    meta = char_meta(text)
+    tokenizer = Tokenizer(meta)
     os.makedirs(args.out_dir, exist_ok=True)
     for split, part in zip(["train", "val"], split_text(text)):
-        tokens = np.array([index[c] for c in part], dtype=np.uint16)
+        tokens = np.array(tokenizer.encode(part), dtype=np.uint16)
         write_shard(os.path.join(args.out_dir, f"shakespeare_char_{split}_000000.bin"), tokens)
         print(f"{split}: {len(tokens):,} tokens")
-    write_meta(args.out_dir, {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars})
+    write_meta(args.out_dir, meta)
 
 
 if __name__ == "__main__":

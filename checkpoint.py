@@ -1,0 +1,176 @@
+"""
+Where models come from and go to: the device and dtype to run on, train.py's ckpt.pt (saved atomically,
+loaded without running code), and Hugging Face Llama/Qwen3 folders read as checkpoints (config.json,
+model.safetensors, tokenizer.json). train.py, sample.py and export.py all load through here, so a
+missing, truncated or foreign file gets the same one-line message everywhere.
+
+    model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
+"""
+
+import json
+import os
+from dataclasses import replace
+
+import torch
+
+from model import GPT, GPTConfig
+from tokenizer import TokenizerError, tokenizer_json_meta
+
+
+class CheckpointError(Exception):
+    """A checkpoint or model folder that cannot be loaded; the message is one line saying what to do."""
+
+
+def first_line(error):
+    return (str(error) or type(error).__name__).splitlines()[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Device and dtype
+
+
+def resolve_device(device):
+    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda:1")."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def resolve_dtype(dtype, device):
+    """The torch dtype for a dtype setting: "auto" is bfloat16 on CUDA cards that have it, else float32."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise CheckpointError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# train.py's checkpoints
+
+
+def save_checkpoint(path, checkpoint):
+    """torch.save to a temp file, then rename: a crash never leaves a half-written checkpoint."""
+    tmp = path + ".tmp"
+    torch.save(checkpoint, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py config/small.py "
+                              "(--init_from=scratch, the default)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or corrupt files raise several kinds
+        raise CheckpointError(f"cannot read checkpoint {path} ({first_line(e)}); it is truncated or corrupt") from None
+
+
+def model_from_checkpoint(checkpoint, path):
+    """The GPT of a checkpoint dict (on the CPU, fp32), and its tokenizer meta."""
+    try:
+        model = GPT(GPTConfig(**checkpoint["model_config"]))
+        model.load_state_dict(checkpoint["model"])
+        return model, checkpoint["meta"]
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {first_line(e)})") from None
+
+
+def load_model(source, device="cpu", dtype=torch.float32):
+    """The model (in eval mode, on device, in dtype) and its tokenizer meta, from source: an out_dir holding
+    ckpt.pt, a .pt file, or "hf:folder" for a Hugging Face Llama/Qwen3 folder with its tokenizer.json."""
+    if source.startswith("hf:"):
+        model, meta = load_hf(source[3:])
+        if meta is None:
+            raise CheckpointError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
+    else:
+        path = source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
+        model, meta = model_from_checkpoint(load_checkpoint(path), path)
+    return model.to(device=device, dtype=dtype).eval(), meta
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hugging Face folders: config.json -> GPTConfig, model.safetensors -> weights, tokenizer.json -> meta
+
+
+def gpt_config(hf):
+    """The GPTConfig of a Llama or Qwen3 config.json dict; CheckpointError when it has no exact equivalent."""
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", "qwen3"):
+        raise CheckpointError(f"model_type {model_type!r} is not supported; only llama and qwen3 models convert exactly")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act={hf['hidden_act']!r}: only silu (swiglu) MLPs convert")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise CheckpointError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE converts")
+    if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1 is not supported; RoPE here turns the whole head")
+    attention_bias = bool(hf.get("attention_bias", False))
+    if model_type == "llama" and attention_bias != bool(hf.get("mlp_bias", False)):
+        raise CheckpointError("attention_bias and mlp_bias differ; bias here is one switch for every linear layer")
+    if model_type == "qwen3" and attention_bias:
+        raise CheckpointError("a Qwen3 with attention_bias=True has biases in attention only; bias here is all or none")
+    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+        raise CheckpointError("sliding-window attention is not supported on import; these layers would see the whole context")
+    n_head = hf.get("num_attention_heads")
+    try:
+        config = GPTConfig(
+            vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
+            n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+            n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=hf["hidden_size"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, bias=attention_bias, mlp="swiglu",
+            mlp_hidden=hf["intermediate_size"], qk_norm=model_type == "qwen3",
+            rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False))
+    except KeyError as e:
+        raise CheckpointError(f"config.json has no {e.args[0]}") from None
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    if config.mlp_hidden == replace(config, mlp_hidden=0).mlp_width:
+        config.mlp_hidden = 0  # the default width, written as our configs write it, so a round trip is exact
+    return config
+
+
+def load_hf(folder):
+    """The GPT (fp32, on the CPU) of a local Llama or Qwen3 folder, and its tokenizer's meta dict (None
+    when the folder has no tokenizer.json). CheckpointError says what is missing or does not map."""
+    from safetensors import SafetensorError  # only this path needs safetensors
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"no config.json in {folder}; expected a Hugging Face model folder")
+    with open(config_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    config = gpt_config(hf)
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
+        found = sorted(f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+        raise CheckpointError(f"no model.safetensors in {folder} (found: {', '.join(found) or 'no weights'}); "
+                              "only a single safetensors file is read, never pickles")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {weights} ({e}); it is truncated or corrupt") from None
+    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    if config.tie_embeddings:
+        state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
+    model = GPT(config)
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    wrong = [n for n, t in state.items() if t.shape != expected[n].shape]
+    if wrong:
+        raise CheckpointError(f"{weights}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the config implies "
+                              f"{tuple(expected[wrong[0]].shape)}")
+    model.load_state_dict(state)
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tokenizer_path = os.path.join(folder, "tokenizer.json")
+    try:
+        meta = tokenizer_json_meta(tokenizer_path, eos) if os.path.exists(tokenizer_path) else None
+    except TokenizerError as e:
+        raise CheckpointError(str(e)) from None
+    return model, meta

@@ -1,0 +1,206 @@
+"""
+The decoding engine: from a prompt's token ids to new tokens, fast, for sample.py, bench/ and evaluation.
+
+- prefill: the prompt goes through the model once; its KV cache is then copied to every sample.
+- decode_batch: the samples decode together, one token per step; a sample that ends (Samples.add says so)
+  leaves the batch, and when the context reaches block_size the window slides (the cache is refilled
+  from the last block_size // 2 tokens). With compile, the step is torch.compiled once over a static cache.
+- decode_speculative: a smaller draft model proposes draft_k tokens, the model checks them in one forward
+  pass, and the output follows the model's own distribution exactly.
+- Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
+
+Settings are sample.py's: num_samples, max_new_tokens, temperature, top_k, top_p, no_kv_cache, compile,
+draft_k. The next token is always chosen by model.sample_next_token / model.sampling_probs.
+"""
+
+import sys
+
+import torch
+
+from model import sample_next_token, sampling_probs
+
+
+class Samples:
+    """The text of each sample so far, whether it has ended, and the streaming of sample 0."""
+
+    def __init__(self, n, tokenizer, stops, stream):
+        self.tokenizer, self.stops, self.stream = tokenizer, stops, stream
+        self.longest_stop = max(map(len, stops), default=0)
+        self.decoders = [tokenizer.decoder() for _ in range(n)]
+        self.texts, self.n_tokens = [""] * n, 0
+
+    def add(self, sample, token):
+        """Record one new token of a sample; True if the sample has ended with it. A sample ends right after
+        its first stop string: the rest of the token that completed it (a BPE token can hold more) is dropped."""
+        self.n_tokens += 1
+        if token == self.tokenizer.eot:
+            return True
+        text, piece = self.texts[sample], self.decoders[sample](token)
+        stop_end = self.stop_end(text, piece)
+        if stop_end is not None:
+            piece = piece[:stop_end - len(text)]
+        self.texts[sample] = text + piece
+        if sample == 0 and self.stream:
+            print(piece, end="", flush=True)
+        return stop_end is not None
+
+    def stop_end(self, text, piece):
+        """Where in text + piece the earliest stop string ends, if piece completes one (text holds none)."""
+        before = text[max(0, len(text) - self.longest_stop):]  # a new stop starts here or in piece
+        tail = before + piece
+        ends = [tail.find(stop) + len(stop) for stop in self.stops if stop in tail]
+        return len(text) - len(before) + min(ends) if ends else None
+
+
+def next_token_probs(logits, settings, vocab_size):
+    """Probabilities (B, vocab_size) of the next token under the sampling settings; the model's vocabulary
+    may be padded past the tokenizer's, and those padding tokens are never chosen."""
+    return sampling_probs(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"])
+
+
+def prefill(model, contexts, max_len, static=False):
+    """A fresh KV cache holding all but the last token of each context (B, T), and the last tokens (B, 1).
+    The last token is left out so that the next step feeds it and gets the logits that follow it."""
+    cache = model.new_kv_cache(contexts.size(0), max_len, static=static)
+    n_cached = contexts.size(1) - 1
+    if n_cached:
+        input_pos = torch.arange(n_cached, device=contexts.device) if static else None
+        model.hidden_states(contexts[:, :-1], cache, input_pos)
+    cache.pos = n_cached  # a static cache leaves the count to its caller
+    return cache, contexts[:, -1:]
+
+
+def decode_step(model, tokens, cache, input_pos):
+    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache: the same
+    shapes every step, so torch.compile compiles it once. The caller advances cache.pos."""
+    return model.lm_head(model.hidden_states(tokens, cache, input_pos)[:, -1])
+
+
+def last_logits(model, tokens, cache):
+    """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T)."""
+    if cache is None:
+        tokens = tokens[:, -model.config.block_size:]
+    return model.lm_head(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
+
+
+@torch.inference_mode()
+def decode_batch(model, prompt_ids, settings, samples, generator):
+    """Decode num_samples continuations of the prompt together, one token per step; samples that end
+    leave the batch. With no_kv_cache, every step recomputes the whole context instead. With compile, the
+    decode step is compiled, and samples that end stay in the batch (their tokens unused): a batch that
+    shrank would be a new shape to compile."""
+    n, block_size, device = settings["num_samples"], model.config.block_size, model.lm_head.weight.device
+    vocab_size = samples.tokenizer.vocab_size
+    compiled = settings["compile"] and not settings["no_kv_cache"]
+    if compiled:
+        step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
+    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters.
+    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
+    contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
+    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, compiled)
+    if compiled:  # eager: this batch of 1 would be a second shape to compile
+        logits = decode_step(model, tokens, cache, torch.tensor([cache.pos], device=device)).expand(n, -1)
+        cache.pos += 1
+    else:
+        logits = last_logits(model, tokens, cache).expand(n, -1)
+    contexts = contexts.expand(n, -1)
+    if cache is not None:
+        cache.select_rows([0] * n)  # every sample starts from the prompt's cache
+    rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (compiled only)
+    for step in range(settings["max_new_tokens"]):
+        next_tokens = sample_next_token(logits[:, :vocab_size], settings["temperature"], settings["top_k"],
+                                        settings["top_p"], generator)  # (B, 1)
+        contexts = torch.cat([contexts, next_tokens], dim=1)  # (B, T + 1)
+        for i, token in enumerate(next_tokens[:, 0].tolist()):
+            if rows[i] is not None and samples.add(rows[i], token):
+                rows[i] = None
+        if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no forward pass for logits never used
+            break
+        if None in rows and not compiled:  # finished samples stop costing work
+            alive = [i for i, row in enumerate(rows) if row is not None]
+            rows, contexts, next_tokens = [rows[i] for i in alive], contexts[alive], next_tokens[alive]
+            if cache is not None:
+                cache.select_rows(alive)
+        if cache is not None and cache.pos == block_size:  # the context is full: slide the window
+            cache, next_tokens = prefill(model, contexts[:, -(block_size // 2):], block_size, compiled)
+        if compiled:  # the same two input tensors every step: a slice of contexts has other strides to guard on
+            step_tokens.copy_(next_tokens)
+            input_pos.fill_(cache.pos)
+            logits = step_fn(model, step_tokens, cache, input_pos)
+            cache.pos += 1
+        else:
+            logits = last_logits(model, contexts if cache is None else next_tokens, cache)
+
+
+@torch.inference_mode()
+def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, vocab_size, generator):
+    """Extend tokens (a list) by 1 to k + 1 tokens distributed exactly as the target model would sample them.
+
+    The draft proposes k tokens from its probabilities q; the target scores all of them in one forward
+    over its cache and gives p. Token i is accepted with probability min(1, p_i / q_i); at the first
+    rejection the replacement is drawn from normalize(max(0, p - q)), and if all k are accepted one more
+    is drawn from the target. target_cache holds all of tokens but the last; draft_cache a prefix of it.
+    Returns the new tokens and how many of the proposed ones were accepted.
+    """
+    device = target.lm_head.weight.device
+    proposed, draft_probs = [], []
+    feed = tokens[draft_cache.pos:]  # what the draft has not seen yet (one or two tokens)
+    for _ in range(k):
+        logits = last_logits(draft, torch.tensor([feed], device=device), draft_cache)
+        q = next_token_probs(logits, settings, vocab_size)[0]
+        feed = [int(torch.multinomial(q, 1, generator=generator))]
+        proposed.append(feed[0])
+        draft_probs.append(q)
+
+    start = target_cache.pos
+    chunk = torch.tensor([tokens[-1:] + proposed], device=device)  # (1, k + 1)
+    p = next_token_probs(target(chunk, kv_cache=target_cache)[0][0], settings, vocab_size)  # (k + 1, V)
+    accepted = []
+    for i, (token, q) in enumerate(zip(proposed, draft_probs)):
+        accept_prob = torch.clamp(p[i, token] / q[token], max=1.0)
+        if torch.rand((), device=device, generator=generator) >= accept_prob:
+            residual = torch.clamp(p[i] - q, min=0)
+            new_token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            break
+        accepted.append(token)
+    else:
+        new_token = int(torch.multinomial(p[k], 1, generator=generator))
+    # Roll both caches back to the accepted tokens: the target keeps tokens[-1] and the accepted ones.
+    target_cache.truncate(start + 1 + len(accepted))
+    draft_cache.truncate(min(draft_cache.pos, target_cache.pos))
+    return accepted + [new_token], len(accepted)
+
+
+def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
+    """Decode each sample in turn with speculative steps; returns (accepted, proposed) counts."""
+    block_size = min(target.config.block_size, draft.config.block_size)
+    vocab_size = samples.tokenizer.vocab_size
+    device = target.lm_head.weight.device
+    n_accepted = n_proposed = 0
+    for sample in range(settings["num_samples"]):
+        tokens, n_new, ended = list(prompt_ids), 0, False
+        target_cache, draft_cache = None, None
+        while n_new < settings["max_new_tokens"] and not ended:
+            if target_cache is None or len(tokens) > block_size:  # start, or slide the window
+                window = torch.tensor([tokens[-(block_size // 2):] if target_cache else tokens], device=device)
+                target_cache, _ = prefill(target, window, block_size)
+                draft_cache, _ = prefill(draft, window, block_size)
+                tokens = window[0].tolist()
+            k = min(settings["draft_k"], settings["max_new_tokens"] - n_new - 1, block_size - len(tokens))
+            if k < 1:  # no room to propose: one plain step of the target
+                logits = last_logits(target, torch.tensor([tokens[-1:]], device=device), target_cache)
+                new_tokens = [int(torch.multinomial(next_token_probs(logits, settings, vocab_size)[0], 1, generator=generator))]
+            else:
+                new_tokens, accepted = speculative_step(target, draft, tokens, target_cache, draft_cache, k,
+                                                        settings, vocab_size, generator)
+                n_accepted, n_proposed = n_accepted + accepted, n_proposed + k
+            for token in new_tokens:
+                tokens.append(token)
+                n_new += 1
+                if samples.add(sample, token):
+                    ended = True
+                    break
+        if sample == 0 and samples.stream:
+            sys.stdout.flush()
+    return n_accepted, n_proposed

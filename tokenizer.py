@@ -1,0 +1,147 @@
+"""
+Text to token ids and back: one Tokenizer for every vocabulary this repo meets, described by a meta dict
+(what data/<dataset>/meta.json and checkpoints hold):
+
+- {"tokenizer": "char", "chars": [...]}: one token per character (Tiny Shakespeare by character);
+- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken;
+- {"tokenizer": "bpe", "path": ".../tokenizer.json"}: another byte-level BPE from a Hugging Face folder
+  (Llama 3, Qwen), read through tiktoken when tiktoken reproduces it exactly, refused otherwise.
+Each also has vocab_size and eot_token (end of text, None for characters).
+"""
+
+import codecs
+import json
+import os
+import unicodedata
+
+GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+class TokenizerError(ValueError):
+    """A text or tokenizer file this tokenizer cannot handle; the message says what and why."""
+
+
+def char_meta(text):
+    """The meta of a character vocabulary: the distinct characters of text, sorted; token i is chars[i]."""
+    chars = sorted(set(text))
+    return {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars}
+
+
+class Tokenizer:
+    """encode, decode, and decoder() for streaming, for the vocabulary a meta dict describes."""
+
+    def __init__(self, meta):
+        self.meta, self.vocab_size, self.eot = meta, meta["vocab_size"], meta.get("eot_token")
+        if meta["tokenizer"] == "char":
+            self.chars = meta["chars"]
+            self.index = {c: i for i, c in enumerate(self.chars)}
+        elif meta["tokenizer"] == "bpe":
+            self.enc = tiktoken_encoding(meta["path"])
+        else:
+            import tiktoken
+
+            self.enc = tiktoken.get_encoding(meta["tokenizer"])
+
+    def encode(self, text, special_tokens=False):
+        """Token ids of text. With special_tokens, "<|endoftext|>" written in the text is that token (a prompt);
+        without, it is ordinary text (a training corpus)."""
+        if self.meta.get("nfc"):  # the tokenizer.json normalizes to NFC first (Qwen)
+            text = unicodedata.normalize("NFC", text)
+        if self.meta["tokenizer"] != "char":
+            return self.enc.encode(text, allowed_special="all") if special_tokens else self.enc.encode_ordinary(text)
+        unknown = sorted(set(text) - self.index.keys())
+        if unknown:
+            raise TokenizerError(f"characters the model's tokenizer does not know: {''.join(unknown)!r}; "
+                                 "use only characters of its training text")
+        return [self.index[c] for c in text]
+
+    def decode(self, ids):
+        if self.meta["tokenizer"] == "char":
+            return "".join(self.chars[i] for i in ids)
+        return self.enc.decode(ids)
+
+    def decoder(self):
+        """A function from one token to its text, for streaming. BPE tokens are bytes, and a character may
+        be split across tokens: the incremental UTF-8 decoder holds such a part back until it is whole."""
+        if self.meta["tokenizer"] == "char":
+            return self.chars.__getitem__
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda token: utf8.decode(self.enc.decode_single_token_bytes(token))
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizer.json (Hugging Face) read through tiktoken
+
+
+def byte_to_unicode():
+    """GPT-2's map from each byte to a printable character, which byte-level BPE vocabularies are written in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return table
+
+
+def tiktoken_encoding(path):
+    """A tiktoken Encoding equal to the byte-level BPE in tokenizer.json (GPT-2, Llama 3 and Qwen ones).
+    tiktoken merges the pair whose result has the lowest id, so ids must follow the merge order; checked."""
+    import tiktoken
+
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    splits = [step for step in steps if step.get("type") == "Split"]
+    byte_level = steps[-1] if kinds[-1:] == ["ByteLevel"] else {}
+    regexes = [step.get("pattern", {}).get("Regex") for step in splits] + [GPT2_PATTERN] * byte_level.get("use_regex", True)
+    # Exactly one regex split (byte-level's own GPT-2 regex or a Split step, as in Llama 3 and Qwen), then
+    # bytes: what tiktoken does. Anything else (digit splitting, a prefix space, other normalizers) is not.
+    readable = (model.get("type") == "BPE" and byte_level and not byte_level.get("add_prefix_space")
+                and set(kinds) <= {"Split", "ByteLevel"} and len(regexes) == 1 and None not in regexes
+                and all(step.get("behavior") == "Isolated" and not step.get("invert") for step in splits)
+                and (spec.get("normalizer") or {}).get("type") in (None, "NFC"))
+    if not readable:
+        raise TokenizerError(f"{path}: only byte-level BPE tokenizers that split by one regex (GPT-2, Llama 3, Qwen) "
+                             "can be read here")
+    pattern = regexes[0]
+    to_byte = {u: b for b, u in byte_to_unicode().items()}
+    vocab = model["vocab"]
+    ranks = {bytes(to_byte[ch] for ch in text): i for text, i in vocab.items()}
+    merged_ids = [vocab.get("".join(m.split(" ", 1) if isinstance(m, str) else m)) for m in model.get("merges", [])]
+    if any(a is None or b is None or a >= b for a, b in zip(merged_ids, merged_ids[1:])):
+        raise TokenizerError(f"{path}: token ids do not follow the merge order, so tiktoken cannot reproduce it")
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t["content"] not in vocab}
+    return tiktoken.Encoding(name=os.path.basename(os.path.dirname(os.path.abspath(path))), pat_str=pattern,
+                             mergeable_ranks=ranks, special_tokens=special)
+
+
+def gpt2_ranks():
+    """tiktoken's GPT-2 vocabulary, or None when its file can't be had (no network, no cache)."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding("gpt2")._mergeable_ranks
+    except Exception:  # a download failure surfaces as any of several exception types
+        return None
+
+
+def tokenizer_json_meta(path, eot_token=None):
+    """The meta dict of a tokenizer.json. GPT-2's BPE and one-token-per-character vocabularies get the meta
+    that data prepared here has; any other byte-level BPE that tiktoken reads exactly becomes
+    {"tokenizer": "bpe", "path": ...}; anything else is a TokenizerError."""
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    vocab = model.get("vocab", {})
+    if (model.get("type") == "BPE" and not model.get("merges") and (spec.get("decoder") or {}).get("type") == "Fuse"
+            and sorted(vocab.values()) == list(range(len(vocab))) and all(len(c) == 1 for c in vocab)):
+        chars = sorted(vocab, key=vocab.get)  # in id order, which need not be sorted
+        return {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars}
+    enc = tiktoken_encoding(path)  # fails here, with the reason, if tiktoken cannot read it
+    nfc = (spec.get("normalizer") or {}).get("type") == "NFC"  # Qwen's: prompts are normalized first
+    if not nfc and enc.n_vocab == 50257 and enc._pat_str == GPT2_PATTERN and enc._mergeable_ranks == gpt2_ranks():
+        return dict(GPT2_META)  # the meta that data prepared here has
+    vocab_size = 1 + max([*vocab.values(), *(token["id"] for token in spec.get("added_tokens", []))])
+    return dict(tokenizer="bpe", vocab_size=vocab_size, eot_token=eot_token, path=os.path.abspath(path), nfc=nfc)
