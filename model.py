@@ -2,20 +2,15 @@
 A decoder-only transformer (GPT) and its KV cache, in one file small enough to read in one sitting.
 
 The architecture, and the GPTConfig switch for each choice:
-- Token embedding; positions enter only through rotary embeddings (RoPE) on q and k, pairing dim i with
-  dim i + head_dim/2 as Hugging Face Llama and Qwen do (rope_base).
+- Token embedding; positions enter only through rotary embeddings (RoPE) on q and k (rope_base).
 - Pre-norm residual blocks, x + attn(norm(x)) then x + mlp(norm(x)); every norm an RMSNorm (norm_eps).
 - Grouped-query attention: n_head query heads share n_kv_head key/value heads (n_kv_head == n_head is
-  multi-head, 1 is multi-query); optional RMSNorm of q and k per head (qk_norm, Qwen3); optional sliding
-  window (window): a query sees only the last `window` positions.
+  multi-head, 1 multi-query); optional RMSNorm of q and k per head (qk_norm, Qwen3); optional sliding window.
 - MLP: "swiglu" (Llama), "gelu" (GPT-2) or "relu2" (squared ReLU); biases, dropout, tied head optional.
-
-Which keys a query may see is one rule, can_attend(query position, key position), used by every attention
-path: a whole sequence (training), one new token against the KV cache (decoding), a chunk after a cached
-prefix (chunked prefill, speculative verification). The cache is preallocated, position p in slot p.
-
-bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=True). Module names
-follow the Hugging Face Llama layout (embed_tokens, layers.N.self_attn.q_proj, ...), so weights map 1:1.
+Which keys a query may see is one rule, can_attend, used by every attention path: a whole sequence
+(training), one new token against the KV cache (decoding), a chunk after a cached prefix (chunked prefill,
+speculative verification). bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a
+Qwen3 (qk_norm=True), with Hugging Face's module names (embed_tokens, layers.N.self_attn.q_proj, ...).
 """
 
 import math
@@ -24,8 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-MLP_KINDS = ("swiglu", "gelu", "relu2")
 
 
 @dataclass
@@ -39,7 +32,7 @@ class GPTConfig:
     head_dim: int = 0  # width of each attention head; 0 means n_embd // n_head (Qwen3 sets it apart)
     dropout: float = 0.0
     bias: bool = False  # biases in the linear layers (GPT-2 has them, Llama and Qwen3 do not)
-    mlp: str = "swiglu"  # one of MLP_KINDS
+    mlp: str = "swiglu"  # "swiglu", "gelu" or "relu2"
     mlp_hidden: int = 0  # MLP width; 0 picks 4 * n_embd, or about 8/3 * n_embd for swiglu (same parameters)
     qk_norm: bool = True  # RMSNorm on q and k per head before RoPE (Qwen3); steadies training
     rope_base: float = 10000.0
@@ -52,22 +45,18 @@ class GPTConfig:
             if not ok:
                 raise ValueError(f"GPTConfig.{field} {what}, got {getattr(self, field)!r}")
 
-        def whole(name):
-            return isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool)
-
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd"):
-            require(whole(name) and getattr(self, name) > 0, name, "must be a positive integer")
-        for name in ("head_dim", "mlp_hidden", "window"):
-            require(whole(name) and getattr(self, name) >= 0, name, "must be a non-negative integer (0: the default)")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "mlp_hidden", "window"):
+            value, low = getattr(self, name), 0 if name in ("head_dim", "mlp_hidden", "window") else 1  # 0: default/none
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"must be an int >= {low}")
         if self.head_dim == 0:
-            require(self.n_embd % self.n_head == 0, "n_embd", f"must be divisible by n_head ({self.n_head}), or set head_dim")
+            require(self.n_embd % self.n_head == 0, "n_embd", f"must be a multiple of n_head ({self.n_head}) or set head_dim")
             self.head_dim = self.n_embd // self.n_head
         require(self.n_head % self.n_kv_head == 0, "n_head", f"must be divisible by n_kv_head ({self.n_kv_head})")
         require(self.head_dim % 2 == 0, "head_dim", "must be even for RoPE")
         require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        require(self.mlp in MLP_KINDS, "mlp", f"must be one of {MLP_KINDS}")
-        require(self.rope_base > 0, "rope_base", "must be positive")
-        require(self.norm_eps > 0, "norm_eps", "must be positive")
+        require(self.mlp in ("swiglu", "gelu", "relu2"), "mlp", "must be swiglu, gelu or relu2")
+        for name in ("rope_base", "norm_eps"):
+            require(getattr(self, name) > 0, name, "must be positive")
 
     @property
     def mlp_width(self):
@@ -84,13 +73,12 @@ def norm(dim, config):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Positions: RoPE and the mask rule, both functions of the tokens' positions
+# Positions (RoPE and the mask rule), attention and the KV cache
 
 
 def rope(x, positions, base):
-    """Rotate each pair (x[i], x[i + hd/2]) of x (B, T, h, hd) by the angle p * base^(-2i/hd) of its token's
-    position p: (x[i] cos - x[i + hd/2] sin, x[i + hd/2] cos + x[i] sin). positions is (T,). In fp32, also
-    under bf16 autocast: angles of long contexts need the precision."""
+    """Turn each pair (x[i], x[i + hd/2]) of x (B, T, h, hd) by the angle p * base^(-2i/hd), p the token's
+    position (positions is (T,)), in fp32 also under bf16 autocast: long contexts need the precision."""
     head_dim = x.size(-1)
     inv_freq = base ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)  # (hd/2,)
     angles = positions[:, None].float() * inv_freq  # (T, hd/2)
@@ -108,50 +96,33 @@ def can_attend(query_pos, key_pos, window):
     return visible
 
 
-# ----------------------------------------------------------------------------------------------------
-# Attention and the KV cache
-
-
 def attention(q, k, v, positions, window, dropout_p=0.0):
-    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query heads, where the mask is can_attend's.
-
-    q is (B, nh, T, hd) for the tokens at positions (T,); k and v are (B, n_kv, S, hd), the keys of positions
-    0 .. S-1. When S == T the queries are those same positions 0 .. T-1 (a whole sequence), and without a
-    window can_attend is then SDPA's is_causal, its fastest kernel; the invariant tests check they agree.
-    """
+    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query heads, the mask can_attend's. q (B, nh, T, hd) are
+    the tokens at positions (T,); k, v (B, n_kv, S, hd) the keys of positions 0 .. S-1. With S == T those are
+    the queries' own positions, and with no window can_attend is is_causal (its fast kernel; tested)."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
     if window == 0 and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
     mask = can_attend(positions[:, None], torch.arange(S, device=q.device), window)  # (T, S)
-    if T == 1:  # one token: the query heads of a kv group become the rows of one query block, so SDPA
-        # reads each kv head once and needs no GQA pairing (they share the token's position, so the mask row)
+    if T == 1:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
-                                           attn_mask=mask, dropout_p=dropout_p)
+                                           attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
         return y.view(B, n_head, 1, head_dim)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
 
 
 class KVCache:
-    """Keys and values of every layer for up to max_len positions, preallocated once; position p in slot p.
-
-    Only the n_kv_head key/value heads are stored, so with GQA the cache is n_head / n_kv_head times smaller
-    than a multi-head cache (and decoding reads that much less memory). A growing cache counts its filled
-    positions (pos) and attention reads slots 0 .. pos + T - 1; a static cache (static=True) is written at the
-    positions its caller gives and read whole, so shapes never change (torch.compile); its caller keeps count.
-    """
+    """Keys and values of every layer for up to max_len positions, preallocated, position p in slot p; n_kv_head
+    heads only (GQA: n_head / n_kv_head times less to hold and read). A growing cache counts its positions (pos);
+    a static one (gpt-fast's) is written at positions given (input_pos) and read whole: fixed shapes to compile."""
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         self.layer_ids = torch.arange(n_layer, device=device)  # indices as a tensor: see update
-        self.static = static
+        self.max_len, self.static = max_len, static
         self.pos = 0  # how many positions are filled; the next token goes here
-
-    @property
-    def max_len(self):
-        return self.k.size(3)
 
     def update(self, layer, k, v, positions):
         """Write this layer's k, v (B, n_kv, T, hd) of the tokens at positions (T,) into their slots; return the
@@ -165,13 +136,11 @@ class KVCache:
         return self.k[layer, :, :, :n_keys], self.v[layer, :, :, :n_keys]
 
     def select_rows(self, rows):
-        """Keep the batch rows `rows` (indices, in order; a repeated index copies its row): share one
-        prompt's prefill among several samples, or drop the samples that have finished."""
+        """Keep the batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
         rows = torch.as_tensor(rows, device=self.k.device)
         self.k, self.v = self.k[:, rows], self.v[:, rows]
 
-    def truncate(self, length):
-        """Forget every position from `length` on (e.g. speculated tokens that were rejected)."""
+    def truncate(self, length):  # forget every position from `length` on (e.g. rejected speculated tokens)
         if not 0 <= length <= self.pos:
             raise ValueError(f"KVCache.truncate: length must be in [0, {self.pos}] (the filled length), got {length}")
         self.pos = length
@@ -180,20 +149,17 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
-        self.layer_idx = layer_idx  # which slice of the KV cache is ours
+        self.config, self.layer_idx = config, layer_idx  # layer_idx: which slice of the KV cache is ours
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.config = config
         self.q_proj = nn.Linear(config.n_embd, config.n_head * self.head_dim, bias=config.bias)
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        # one weight per head dim, shared by all heads (Qwen3)
-        self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
+        self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()  # one for all heads (Qwen3)
         self.k_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
 
-    def forward(self, x, positions, kv_cache=None):
-        """x (B, T, C) of the tokens at positions (T,)."""
+    def forward(self, x, positions, kv_cache=None):  # x (B, T, C) of the tokens at positions (T,)
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim))  # (B, T, nh, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim))  # (B, T, n_kv, hd)
@@ -215,8 +181,7 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.kind = config.mlp
-        width = config.mlp_width
+        self.kind, width = config.mlp, config.mlp_width
         if self.kind == "swiglu":  # silu(gate) * up: a learned gate on each hidden unit
             self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
         self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
@@ -260,10 +225,8 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """GPT-2's init, by module: N(0, 0.02) embeddings and linear weights, zero biases, norms as they
-        initialize themselves (scale 1), and the linears that write into the residual stream scaled by
-        1/sqrt(2 * n_layer), so the stream's variance does not grow with depth. A fresh model's logits
-        are then near zero and its loss near ln(vocab_size)."""
+        """GPT-2's init by module and role: N(0, 0.02) weights, zero biases, norms by their own init, and the
+        linears that write into the residual stream scaled by 1/sqrt(2 * n_layer), so it does not grow with depth."""
         writes_residual = {m for block in self.layers for m in (block.self_attn.o_proj, block.mlp.down_proj)}
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -277,42 +240,33 @@ class GPT(nn.Module):
                 module.reset_parameters()  # norms: scale 1 (and bias 0)
 
     def hidden_states(self, idx, kv_cache=None, input_pos=None):
-        """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T).
-
-        With a kv_cache, idx continues the cached sequence: it attends to the cached positions and is written
-        to the cache. A growing cache places idx after its pos filled positions and advances pos; a static
-        cache takes the positions as input_pos (T,), a tensor, and leaves the counting to the caller.
-        """
+        """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T). With a kv_cache, idx continues
+        the cached sequence: after its pos positions (advanced here), or at input_pos for a static cache."""
         positions = self.positions(idx, kv_cache, input_pos)  # (T,)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
             x = block(x, positions, kv_cache)
-        if kv_cache is not None and not kv_cache.static:
-            kv_cache.pos += idx.size(1)  # every layer has written its keys and values
+        if kv_cache is not None and not kv_cache.static:  # every layer has written its keys and values
+            kv_cache.pos += idx.size(1)
         return self.norm(x)
 
     def positions(self, idx, kv_cache, input_pos):
         """The positions (T,) of the tokens idx (B, T), after checking that they fit where they go."""
         B, T = idx.shape
+        start, end = (0, self.config.block_size) if kv_cache is None else (kv_cache.pos, kv_cache.max_len)
         if (input_pos is not None) != (kv_cache is not None and kv_cache.static):
-            raise ValueError("input_pos goes with a static KV cache, and a static cache needs it: "
-                             "model(idx, kv_cache=model.new_kv_cache(..., static=True), input_pos=positions)")
-        if kv_cache is None:
-            if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-            return torch.arange(T, device=idx.device)
-        if kv_cache.k.size(1) != B:
+            raise ValueError("input_pos goes with a static KV cache (new_kv_cache(..., static=True)), which needs it")
+        if kv_cache is not None and kv_cache.k.size(1) != B:
             raise ValueError(f"KV cache was made for batch size {kv_cache.k.size(1)}, got a batch of {B}")
-        if kv_cache.static:
-            return input_pos
-        if kv_cache.pos + T > kv_cache.max_len:
-            raise ValueError(f"KV cache overflow: {kv_cache.pos} cached + {T} new tokens > max_len {kv_cache.max_len}; "
-                             f"make the cache larger with new_kv_cache(batch_size, max_len)")
-        return torch.arange(kv_cache.pos, kv_cache.pos + T, device=idx.device)
+        if input_pos is None and start + T > end:
+            raise ValueError(f"sequence length {T} exceeds block_size {end}" if kv_cache is None else
+                             f"KV cache overflow: {start} cached + {T} new tokens > max_len {end}; "
+                             "make the cache larger with new_kv_cache(batch_size, max_len)")
+        return torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None):
-        """Logits (B, T, vocab_size) for the tokens idx (B, T), and the mean cross-entropy against
-        targets (B, T) when given (target -1 is ignored), else None. input_pos: see hidden_states."""
+        """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;
+        -1 is ignored) or None. input_pos: see hidden_states."""
         logits = self.lm_head(self.hidden_states(idx, kv_cache, input_pos))
         loss = None
         if targets is not None:
@@ -320,67 +274,50 @@ class GPT(nn.Module):
         return logits, loss
 
     def new_kv_cache(self, batch_size, max_len, dtype=None, device=None, static=False):
-        """An empty KV cache for batch_size sequences of up to max_len tokens (static: see KVCache). Under
-        bf16 autocast, pass dtype=torch.bfloat16 (the dtype k and v are computed in)."""
-        if not 1 <= max_len <= self.config.block_size:
-            raise ValueError(f"KV cache max_len must be in [1, block_size={self.config.block_size}], got {max_len}")
-        if batch_size < 1:
-            raise ValueError(f"KV cache batch_size must be at least 1, got {batch_size}")
+        """An empty KV cache for batch_size sequences of max_len tokens (static: see KVCache); bf16 autocast: dtype=bf16."""
+        if not 1 <= max_len <= self.config.block_size or batch_size < 1:
+            raise ValueError(f"KV cache max_len must be in [1, block_size={self.config.block_size}] and batch_size "
+                             f">= 1, got {max_len} and {batch_size}")
         param = self.lm_head.weight
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
                        device=device or param.device, dtype=dtype or param.dtype, static=static)
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):
-        """Extend idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy.
-
-        The prompt goes through the model once (prefill), then each step feeds only the newest token
-        against the KV cache, and only the last position goes through the output head.
-        Call model.eval() first if the model has dropout.
-        """
+        """Extend idx (B, T) by max_new_tokens sampled tokens (temperature 0: greedy), prompt prefilled once, then
+        one token per step against the KV cache. Call model.eval() first if the model has dropout."""
         B, T = idx.shape
-        if max_new_tokens < 1 or T < 1:
-            raise ValueError(f"generate needs a non-empty prompt and max_new_tokens >= 1, got {T} and {max_new_tokens}")
-        if T + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds block_size {self.config.block_size}")
+        if max_new_tokens < 1 or T < 1 or T + max_new_tokens > self.config.block_size:
+            raise ValueError(f"generate needs a prompt, max_new_tokens >= 1 and their sum <= block_size "
+                             f"({self.config.block_size}); got {T} and {max_new_tokens}")
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
-        next_input = idx
         for _ in range(max_new_tokens):
-            logits = self.lm_head(self.hidden_states(next_input, kv_cache)[:, -1])  # (B, vocab_size)
-            next_input = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B, 1)
-            tokens.append(next_input)
+            logits = self.lm_head(self.hidden_states(tokens[-1], kv_cache)[:, -1])  # (B, vocab_size)
+            tokens.append(sample_next_token(logits, temperature, top_k, top_p, generator))  # (B, 1)
         return torch.cat(tokens, dim=1)
 
-    # ------------------------------------------------------------------------------------------------
-    # Size and speed accounting
-
-    def num_params(self):
-        """Number of parameters, the tied embedding and output head counted once."""
+    def num_params(self):  # the tied embedding and output head counted once
         return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len=None):
-        """Training FLOPs (forward + backward) per token, as in the PaLM paper (appendix B): 6 per weight
-        of every matmul, plus 12 * n_layer * n_head * head_dim * seq_len for the attention scores and
-        their use (counted as if unmasked, as is the convention)."""
-        seq_len = seq_len or self.config.block_size
+        """Training FLOPs per token, as in the PaLM paper (appendix B): 6 per weight of every matmul, plus
+        12 * n_layer * n_head * head_dim * seq_len for attention (counted unmasked, as is the convention)."""
+        seq_len, cfg = seq_len or self.config.block_size, self.config
         matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        cfg = self.config
         return 6 * matmul_weights + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
     def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
-        """Model FLOPs utilization: achieved training FLOP/s over the hardware's peak_flops
-        (e.g. 989e12 for an H100's dense bf16)."""
+        """Model FLOPs utilization: training FLOP/s over peak_flops (e.g. 989e12 for an H100's dense bf16)."""
         return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
 
 
 # ----------------------------------------------------------------------------------------------------
-# Choosing the next token
+# Choosing the next token (generate here, engine.py for sample.py)
 
 
 def check_sampling(temperature, top_k, top_p):
-    """ValueError, naming the setting, unless temperature >= 0 (0: greedy), top_k is None or an integer
-    >= 1 and top_p is None or in (0, 1]."""
+    """ValueError naming the setting unless temperature >= 0, top_k >= 1 (an integer) and 0 < top_p <= 1."""
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
@@ -389,13 +326,16 @@ def check_sampling(temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
+def greedy(logits):  # the most likely token of each row of logits (B, V), as (B, 1): temperature 0
+    return logits.argmax(dim=-1, keepdim=True)
+
+
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """Next-token probabilities (B, V) from logits (B, V): divided by temperature, then restricted to the
-    top_k most likely tokens and to the smallest set whose probability reaches top_p. Temperature 0 puts all
-    the mass on the most likely token: greedy decoding is sampling from that one-hot distribution."""
+    """Next-token probabilities (B, V) from logits (B, V) divided by temperature (0: all on the greedy token),
+    restricted to the top_k most likely tokens and to the smallest set whose probability reaches top_p."""
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
-        return F.one_hot(logits.argmax(dim=-1), logits.size(-1)).float()
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits), 1.0)
     logits = logits.float() / temperature
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
@@ -412,8 +352,8 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
 
 
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs."""
-    probs = sampling_probs(logits, temperature, top_k, top_p)
-    if temperature == 0:  # one-hot: its only token, without a random draw
-        return probs.argmax(dim=-1, keepdim=True)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
+    """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs (or greedy)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return greedy(logits)
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), num_samples=1, generator=generator)

@@ -45,13 +45,13 @@ def save_checkpoint(path, model, meta):
     torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}, path)
 
 
-def random_char_model(seed, std, like=None):
+def random_char_model(seed, std, like=None, block_size=BLOCK):
     """A random character GPT (vocabulary padded to 128 past the tokenizer's 65, as train.py pads), with
     untied weights of standard deviation std: sharp distributions that depend on the whole context, so that
     greedy output varies instead of repeating one character. With like: that model's weights plus noise."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = GPT(GPTConfig(vocab_size=128, block_size=BLOCK, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+        model = GPT(GPTConfig(vocab_size=128, block_size=block_size, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
                               tie_embeddings=False))
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -83,8 +83,7 @@ def ckpts(tmp_path_factory):
     os.makedirs(os.path.dirname(paths["truncated"]))
     with open(paths["truncated"], "wb") as f:
         f.write(data[:len(data) // 2])
-    small = GPT(GPTConfig(**dict(asdict(draft.config), block_size=16)))
-    small.load_state_dict(draft.state_dict())
+    small = random_char_model(2, 0.4, block_size=16)  # its own weights: none are assumed position-independent
     paths["small_block_draft"] = str(root / "small_block_draft" / "ckpt.pt")
     save_checkpoint(paths["small_block_draft"], small, meta)
     paths["dir"] = str(root / "target")  # out_dir may be the folder as well as the file

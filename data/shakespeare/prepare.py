@@ -47,20 +47,22 @@ def split_text(text):
     return text[:n], text[n:]
 
 
+def write_splits(text, tokenizer, out_dir, name):
+    """The train and val parts of text, tokenized, as one shard each (name_train_000000.bin, ...), and meta.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    for split, part in zip(["train", "val"], split_text(text)):
+        tokens = np.array(tokenizer.encode(part), dtype=np.uint16)  # "<|endoftext|>" in the text is plain text
+        write_shard(os.path.join(out_dir, f"{name}_{split}_000000.bin"), tokens)
+        print(f"{split}: {len(tokens):,} tokens")
+    write_meta(out_dir, tokenizer.meta)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="the text file (default: input.txt in this folder)")
     parser.add_argument("--out_dir", default=HERE, help="where the shards and meta.json go (default: this folder)")
     args = parser.parse_args(argv)
-
-    train_text, val_text = split_text(read_text(args.input))
-    tokenizer = Tokenizer(GPT2_META)
-    os.makedirs(args.out_dir, exist_ok=True)
-    for split, text in [("train", train_text), ("val", val_text)]:
-        tokens = np.array(tokenizer.encode(text), dtype=np.uint16)  # "<|endoftext|>" in the text is plain text
-        write_shard(os.path.join(args.out_dir, f"shakespeare_{split}_000000.bin"), tokens)
-        print(f"{split}: {len(tokens):,} tokens")
-    write_meta(args.out_dir, GPT2_META)
+    write_splits(read_text(args.input), Tokenizer(GPT2_META), args.out_dir, "shakespeare")
 
 
 if __name__ == "__main__":

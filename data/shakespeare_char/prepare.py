@@ -9,11 +9,9 @@ import argparse
 import os
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from data.shakespeare.prepare import read_text, split_text
-from data.shards import DataError, write_meta, write_shard
+from data.shakespeare.prepare import read_text, write_splits
+from data.shards import DataError
 from tokenizer import Tokenizer, char_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -27,14 +25,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     text = read_text(args.input or (LOCAL_TEXT if os.path.isfile(LOCAL_TEXT) else None))
-    meta = char_meta(text)
-    tokenizer = Tokenizer(meta)
-    os.makedirs(args.out_dir, exist_ok=True)
-    for split, part in zip(["train", "val"], split_text(text)):
-        tokens = np.array(tokenizer.encode(part), dtype=np.uint16)
-        write_shard(os.path.join(args.out_dir, f"shakespeare_char_{split}_000000.bin"), tokens)
-        print(f"{split}: {len(tokens):,} tokens")
-    write_meta(args.out_dir, meta)
+    write_splits(text, Tokenizer(char_meta(text)), args.out_dir, "shakespeare_char")
 
 
 if __name__ == "__main__":
