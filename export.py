@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -110,6 +111,23 @@ def check_tensors(state, hf):
         raise ConvertError(f"{wrong} has shape {tuple(state[wrong].shape)}, a {arch} of this config has {expected[wrong]}")
 
 
+def our_logits(model, idx):
+    """Logits (B, T, V) of idx through every attention path: a whole-sequence forward, and through the KV cache
+    (a prefill, then one token at a time), so that an edit to the mask rule that training's fast path does not
+    see is seen here. ConvertError if the two disagree."""
+    T = idx.size(1)
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache = model.new_kv_cache(*idx.shape)
+        half = max(1, T // 2)
+        cached = torch.cat([model(idx[:, :half], kv_cache=cache)[0]] +
+                           [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(half, T)], dim=1)
+    if (full - cached).abs().max() > 1e-4 * max(1.0, full.abs().max().item()):
+        raise ConvertError("the model's logits through the KV cache differ from a whole-sequence forward; "
+                           "run python -m pytest tests/test_invariants.py to see where")
+    return full
+
+
 def check_logits(model, folder):
     """ConvertError unless transformers, loading folder, computes our model's logits on one batch; False when
     transformers is not installed (nothing checked)."""
@@ -118,11 +136,13 @@ def check_logits(model, folder):
     except ImportError:
         return False
     theirs = AutoModelForCausalLM.from_pretrained(folder).float().eval()
-    ours = model.eval()
-    idx = torch.randint(0, model.config.vocab_size, (2, min(16, model.config.block_size)),
+    idx = torch.randint(0, model.config.vocab_size, (2, min(64, model.config.block_size)),
                         generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    expected = our_logits(model.eval(), idx)
+    model.train(was_training)
     with torch.no_grad():
-        expected, actual = ours(idx)[0], theirs(idx).logits
+        actual = theirs(idx).logits
     difference = (expected - actual).abs().max().item()
     if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
         raise ConvertError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
@@ -186,10 +206,9 @@ def write_json(path, obj):
 
 
 def write_folder(model, meta, config, folder):
-    """config.json (last: a folder with it is complete), model.safetensors and the tokenizer files."""
+    """model.safetensors, the tokenizer files and config.json into the (existing, empty) folder."""
     from safetensors.torch import save_file  # only exports need safetensors
 
-    os.makedirs(folder)
     save_file(hf_state_dict(model), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     if meta:
         write_json(os.path.join(folder, "tokenizer.json"), tokenizer_json(meta))
@@ -200,20 +219,37 @@ def write_folder(model, meta, config, folder):
     write_json(os.path.join(folder, "config.json"), config)
 
 
+EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
 def export_hf(model, meta, folder):
-    """Write model (a GPT) and its tokenizer (meta) to folder in the Hugging Face format, after checking that
-    it is exactly a Llama or Qwen3; return (the config.json dict, whether transformers checked the logits).
-    Written to a temp folder first, moved into folder only when every check has passed."""
+    """Write model (a GPT on the CPU, in float32) and its tokenizer (meta) to folder in the Hugging Face format,
+    after checking that it is exactly a Llama or Qwen3; return (the config.json dict, whether transformers
+    checked the logits). The files are written to a temp folder, moved into folder only when every check has
+    passed, and replace an earlier export there; a folder holding anything else is refused."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise ConvertError(f"export a CPU float32 model (this one is {weight.dtype} on {weight.device}), "
+                           "e.g. checkpoint.load_model(out_dir)")
+    others = sorted(set(os.listdir(folder)) - EXPORT_FILES) if os.path.isdir(folder) else []
+    if others:
+        raise ConvertError(f"{folder} holds files an export does not write ({', '.join(others[:3])}); "
+                           "export into a new or empty folder, or one holding an earlier export")
     config = hf_config(model.config, meta.get("eot_token") if meta else None)
     check_tensors(hf_state_dict(model), config)
-    tmp = os.path.normpath(folder) + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # left by a run that was killed
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(folder)) + ".tmp-", dir=parent)
     try:
         write_folder(model, meta, config, tmp)
         checked = check_logits(model, tmp)
         os.makedirs(folder, exist_ok=True)
-        for name in sorted(os.listdir(tmp), key=lambda name: name == "config.json"):  # config.json last
+        written = os.listdir(tmp)
+        for name in sorted(written, key=lambda name: name == "config.json"):  # config.json last: then complete
             os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        for name in EXPORT_FILES - set(written):  # an earlier export's file that this one has not (tokenizer)
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return config, checked

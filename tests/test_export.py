@@ -1,6 +1,7 @@
 """Tests for export.py against transformers (a test-only dependency): tiny random Llama and Qwen3 models
 imported here give transformers' logits and greedy tokens, our models exported give ours there, a round
-trip is bit-exact, tokenizer.json encodes as tiktoken does, and what has no exact counterpart is refused.
+trip is bit-exact, tokenizer.json encodes as tiktoken does, and what has no exact counterpart is refused,
+including a model.py edited into another architecture (imitated here on model instances).
 """
 
 import contextlib
@@ -15,6 +16,7 @@ from dataclasses import asdict
 import pytest
 import tiktoken
 import torch
+import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")  # in requirements-dev.txt; CI installs it
 
@@ -23,7 +25,7 @@ import train  # noqa: E402
 from checkpoint import CheckpointError, gpt_config, load_hf, load_model  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
 from export import ConvertError, export_hf, hf_config, tokenizer_json  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, rope  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -221,6 +223,7 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     (dict(mlp="gelu"), "mlp='gelu'"),
     (dict(mlp="relu2"), "mlp='relu2'"),
     (dict(qk_norm=True, bias=True), "bias"),
+    (dict(window=8), "window=8"),
 ])
 def test_export_refuses_switches_without_an_equivalent(overrides, needle, tmp_path):
     model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, **overrides))
@@ -276,6 +279,116 @@ def test_import_reads_safetensors_only_and_checks_them(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Export checks what it writes against the architecture: a model.py edited into something else is refused.
+# The edits are made on a model instance (or by monkeypatching model.py's functions, which attention looks
+# up at call time), as a researcher's edit of model.py would change it.
+
+
+def learned_positions(model):  # GPT-2's position embedding table: a tensor no Llama has
+    model.embed_positions = nn.Embedding(model.config.block_size, model.config.n_embd)
+
+
+def layer_norms(model, **kwargs):
+    """Every RMSNorm of the residual stream made a LayerNorm (GPT-2's) with the same scale; with bias=False it
+    stores exactly RMSNorm's tensor, but also subtracts the mean."""
+    places = [(model, "norm")] + [(block, name) for block in model.layers
+                                  for name in ("input_layernorm", "post_attention_layernorm")]
+    for module, name in places:
+        layer_norm = nn.LayerNorm(model.config.n_embd, eps=model.config.norm_eps, **kwargs)
+        with torch.no_grad():
+            layer_norm.weight.copy_(getattr(module, name).weight)
+        setattr(module, name, layer_norm)
+
+
+def wider_mlp_in_one_layer(model):  # runs, but config.json has one intermediate_size for all layers
+    C, mlp = model.config.n_embd, model.layers[1].mlp
+    mlp.gate_proj, mlp.up_proj = nn.Linear(C, 256, bias=False), nn.Linear(C, 256, bias=False)
+    mlp.down_proj = nn.Linear(256, C, bias=False)
+
+
+def no_norm_before_mlp(model):
+    for block in model.layers:
+        block.post_attention_layernorm = nn.Identity()
+
+
+OTHER_TENSORS = {  # edit: what the refusal says
+    "learned_positions": (learned_positions,
+                          r"not a LlamaForCausalLM's: 1 it does not have \(e.g. \['model.embed_positions.weight'\]\)"),
+    "layer_norm_with_bias": (layer_norms, r"5 it does not have \(e.g. \['model.layers.0.input_layernorm.bias'"),
+    "wider_mlp_in_one_layer": (wider_mlp_in_one_layer, r"model.layers.1.mlp.gate_proj.weight has shape \(256, 64\), "
+                                                       r"a LlamaForCausalLM of this config has \(192, 64\)"),
+    "no_norm_before_mlp": (no_norm_before_mlp, r"2 it needs \(e.g. \['model.layers.0.post_attention_layernorm.weight'"),
+}
+
+
+@pytest.mark.parametrize("edit", OTHER_TENSORS)
+def test_export_refuses_a_model_whose_tensors_are_not_a_llamas(edit, tmp_path):
+    """Tensors a Llama of the config lacks, needs, or has in another shape are refused by name (also where
+    transformers would load the folder and compute the same logits, as with an unused extra table), and
+    nothing is written: no folder, no temp folder."""
+    model = our_model("llama_like")
+    change, needle = OTHER_TENSORS[edit]
+    change(model)
+    with pytest.raises(ConvertError, match=needle):
+        export_hf(model, char_meta(), str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+
+
+def interleaved_rope(x, positions, base):
+    """RoPE turning the pairs (x[2i], x[2i + 1]), as Meta's Llama code does, not Hugging Face's (x[i], x[i + hd/2])."""
+    turned = rope(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), positions, base)  # evens, then odds
+    return turned.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+
+
+SAME_TENSORS_OTHER_MODEL = {
+    "no_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", lambda x, positions, base: x),
+    "interleaved_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", interleaved_rope),
+    "layer_norm_without_bias": lambda model, monkeypatch: layer_norms(model, bias=False),
+}
+
+
+@pytest.mark.parametrize("edit", SAME_TENSORS_OTHER_MODEL)
+def test_export_refuses_a_model_with_a_llamas_tensors_that_computes_something_else(edit, monkeypatch, tmp_path):
+    """Exactly a Llama's tensors, but positions ignored, paired differently, or LayerNorm in place of RMSNorm:
+    transformers' logits from the written folder differ, the export is refused, and the temp folder it
+    loaded them from is gone."""
+    model = our_model("llama_like")
+    SAME_TENSORS_OTHER_MODEL[edit](model, monkeypatch)
+    with pytest.raises(ConvertError, match="LlamaForCausalLM computes other logits"):
+        export_hf(model, char_meta(), str(tmp_path / "out"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_refused_export_leaves_an_earlier_export_in_the_folder_as_it_was(monkeypatch, tmp_path):
+    folder = tmp_path / "hf"
+    export_hf(our_model("llama_like"), char_meta(), str(folder))
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    monkeypatch.setattr("model.rope", lambda x, positions, base: x)
+    model = randomize_(our_model("llama_like"), seed=7)  # other weights too: any file replaced would show
+    with pytest.raises(ConvertError, match="other logits"):
+        export_hf(model, None, str(folder))
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    assert os.listdir(tmp_path) == ["hf"]
+
+
+def test_an_export_replaces_an_earlier_one_and_refuses_a_folder_holding_other_files(tmp_path):
+    """No file of an earlier export outlives a new one (a stale tokenizer.json would be read as the new model's),
+    and a folder holding files an export does not write (another model's generation_config.json) is refused."""
+    folder = tmp_path / "hf"
+    export_hf(our_model("llama_like"), char_meta(), str(folder))
+    assert "tokenizer.json" in os.listdir(folder)
+    export_hf(our_model("qwen3_like"), None, str(folder))
+    assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
+    assert load_hf(str(folder))[1] is None and load_hf(str(folder))[0].config.qk_norm
+    (folder / "generation_config.json").write_text("{}")
+    with pytest.raises(ConvertError, match="generation_config.json"):
+        export_hf(our_model("llama_like"), None, str(folder))
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    with pytest.raises(ConvertError, match="CPU float32"):
+        export_hf(our_model("llama_like").to(torch.bfloat16), None, str(tmp_path / "bf16"))
+
+
+# ----------------------------------------------------------------------------------------------------
 # The scripts: export.py, sample.py --init_from=hf:..., train.py --init_from=hf:...
 
 
@@ -308,10 +421,12 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path):
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
             for out_dir, to in ((char_ckpts["swiglu"], folder), (char_ckpts["gelu"], refused))]
     (ok_out, ok_err), (_, bad_err) = (run.communicate(timeout=120) for run in runs)
-    assert runs[0].returncode == 0 and "wrote Qwen3ForCausalLM" in ok_out, ok_err
+    assert runs[0].returncode == 0 and ok_out.startswith("wrote Qwen3ForCausalLM") and ok_out.count("\n") == 1, ok_err
+    assert "; same logits in transformers) to " in ok_out  # checked, and said so
     assert runs[1].returncode == 1 and bad_err.strip().splitlines() == [bad_err.strip()], bad_err
     assert bad_err.startswith("error: mlp='gelu'") and "Traceback" not in bad_err
     assert not refused.exists()
+    assert os.listdir(tmp_path) == ["hf"]  # no temp folder left by either run
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
     from_checkpoint = run_sample(f"--out_dir={char_ckpts['swiglu']}")
@@ -360,7 +475,8 @@ def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_pat
     assert checkpoint["model_config"] == asdict(model.config) and checkpoint["iter_num"] == 2
 
     other = dict(meta, chars=meta["chars"][::-1])  # the same characters, other ids: another tokenizer
-    export_hf(model, other, str(folder))
+    export_hf(model, other, str(folder))  # over the earlier export
+    assert not (tmp_path / "hf.tmp").exists()
     os.chdir(char_data)
     try:
         with pytest.raises(train.TrainError, match="another tokenizer"):
