@@ -1,0 +1,397 @@
+"""Invariants that hold for every model setting, run over one shared list of small configs (CONFIGS).
+
+For each config, with random weights (sharp, context-dependent distributions) in eval mode:
+- the KV cache fed in any chunking, after a rollback too, gives the logits of one full forward;
+- the static cache (torch.compile's path, garbage in its unwritten slots) gives the growing cache's logits;
+- greedy generate equals a naive loop that recomputes the whole sequence every step;
+- engine's greedy decode_batch equals a naive loop (past block_size too), and speculative decoding equals it;
+- the full-sequence forward (SDPA's is_causal fast path when window == 0) equals the mask rule's logits;
+- changing one token changes exactly the logits in its receptive field (causal, and n_layer * (window - 1)
+  positions on with a sliding window);
+- a Llama/Qwen3-shaped config exports to a Hugging Face folder and loads back bit for bit; any other is refused.
+
+Every attention path asks model.can_attend which keys a query sees, so the last tests plant bugs in it (off by
+one for single-token decoding only, and others) and check that these invariants catch each of them.
+
+Adding a model setting (a GPTConfig field, or a new value such as another MLP kind): add one entry to CONFIGS
+that turns it on. test_configs_cover_every_setting fails until some entry does.
+"""
+
+import copy
+import math
+import os
+from dataclasses import asdict, fields, replace
+
+import pytest
+import torch
+
+import checkpoint
+import engine
+import export
+import model as model_py  # the module: the live tests swap its can_attend
+from model import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+BASE = dict(vocab_size=61, block_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+CONFIGS = {  # name -> GPTConfig keyword arguments over BASE; each entry turns on settings to exercise
+    # the defaults: swiglu, 4 query heads on 2 kv heads (GQA), qk_norm, tied head
+    "swiglu_gqa_qknorm_tied": dict(),
+    "gelu_mha_untied": dict(mlp="gelu", n_kv_head=4, qk_norm=False, tie_embeddings=False, vocab_size=97),
+    "relu2_mqa_hidden": dict(mlp="relu2", n_kv_head=1, mlp_hidden=48),
+    "llama_bias": dict(qk_norm=False, bias=True, n_kv_head=4, tie_embeddings=False, rope_base=500.0),
+    "qwen3_head_dim": dict(head_dim=12, norm_eps=1e-6, block_size=48),  # head_dim 12, not 32 // 4 = 8
+    "qknorm_bias": dict(bias=True, n_embd=64, n_head=8, n_kv_head=4),  # no HF counterpart: Qwen3 has no MLP biases
+    # a window of 5, far shorter than the sequences below, so it cuts; 3 layers: its reach compounds
+    "window_gqa": dict(window=5, n_layer=3, block_size=48),
+    "window_mqa_relu2_bias": dict(window=5, n_kv_head=1, mlp="relu2", bias=True, qk_norm=False,
+                                  tie_embeddings=False, vocab_size=97),
+    "dropout_in_eval": dict(dropout=0.1, tie_embeddings=False),  # a training switch: eval mode ignores it
+}
+NAMES = list(CONFIGS)
+MLP_KINDS = ("swiglu", "gelu", "relu2")  # GPTConfig.mlp's values, as README lists them
+TOL = 1e-5  # float32 logits of two ways to compute the same thing (relative to the largest logit)
+BROKEN = 1e-3  # a planted bug moves logits by far more than this
+
+
+def config(name):
+    return GPTConfig(**{**BASE, **CONFIGS[name]})
+
+
+def randomize_(model, seed, std=0.4):
+    """Every matrix N(0, std) from a fixed generator, norm scales near 1, small biases: distributions sharp
+    enough that greedy tokens vary with the context (a fresh tied model mostly repeats its last token), and
+    a skipped norm, bias or head shows in the logits."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied head is listed once
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(std * noise if param.dim() == 2 else 1 + 0.2 * noise if "norm" in name else 0.1 * noise)
+    return model.eval()
+
+
+def build(name, seed=0):
+    return randomize_(GPT(config(name)), seed)
+
+
+def tokens(model, shape, seed):
+    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def max_error(actual, expected):
+    """The largest difference, relative to the largest logit (float32 rounding grows with the logits' size);
+    NaN (e.g. a row with every key masked) counts as infinite."""
+    difference = torch.nan_to_num((actual - expected).abs(), nan=math.inf).max().item()
+    return difference / max(1.0, expected.abs().max().item())
+
+
+def chunk_sizes(total, seed):
+    """A prefix, two single-token steps, then random chunks of 1 to 8 (fixed seed) up to total tokens."""
+    generator, sizes = torch.Generator().manual_seed(seed), [3, 1, 1]
+    while sum(sizes) < total:
+        sizes.append(min(int(torch.randint(1, 9, (1,), generator=generator)), total - sum(sizes)))
+    return sizes
+
+
+# ----------------------------------------------------------------------------------------------------
+# The invariants, each a function of a model that returns how far it is from holding (0 when exact)
+
+
+@torch.no_grad()
+def cache_vs_full(model, batch=2, seed=0):
+    """Logits fed through a growing KV cache in chunks vs one full forward; then roll back to half way,
+    feed other tokens (a chunk, then one token) and compare with a full forward of that other sequence."""
+    T = model.config.block_size
+    idx = tokens(model, (batch, T), seed)
+    cache, pieces, start = model.new_kv_cache(batch, T), [], 0
+    for size in chunk_sizes(T, seed):
+        pieces.append(model(idx[:, start:start + size], kv_cache=cache)[0])
+        start += size
+    worst = max_error(torch.cat(pieces, dim=1), model(idx)[0])
+
+    k = T // 2
+    cache.truncate(k)
+    other = tokens(model, (batch, T - k), seed + 1)
+    expected = model(torch.cat([idx[:, :k], other], dim=1))[0][:, k:]
+    actual = torch.cat([model(other[:, :-1], kv_cache=cache)[0], model(other[:, -1:], kv_cache=cache)[0]], dim=1)
+    return max(worst, max_error(actual, expected))
+
+
+@torch.no_grad()
+def static_vs_growing(model, batch=2, seed=1):
+    """A static cache (written at input_pos, read whole with a mask) holding large garbage where nothing
+    was written yet, vs the growing cache, chunk by chunk (single tokens included)."""
+    T = model.config.block_size
+    idx = tokens(model, (batch, T), seed)
+    growing, static = model.new_kv_cache(batch, T), model.new_kv_cache(batch, T, static=True)
+    generator = torch.Generator().manual_seed(seed)
+    static.k.normal_(0, 100, generator=generator)  # unwritten slots must be masked out, whatever they hold
+    static.v.normal_(0, 100, generator=generator)
+    worst, start = 0.0, 0
+    for size in chunk_sizes(T, seed):
+        chunk = idx[:, start:start + size]
+        expected = model(chunk, kv_cache=growing)[0]
+        actual = model(chunk, kv_cache=static, input_pos=torch.arange(start, start + size))[0]
+        worst, start = max(worst, max_error(actual, expected)), start + size
+    return worst
+
+
+@torch.no_grad()
+def fast_path_vs_mask(model, batch=2, seed=2):
+    """The full-sequence forward (no cache: SDPA is_causal when window == 0) vs the same tokens in one chunk
+    on a static cache longer than them, where attention reads every slot through can_attend's mask."""
+    T = model.config.block_size - 8  # 8 slots of garbage past the tokens: S > T, so the mask path
+    idx = tokens(model, (batch, T), seed)
+    static = model.new_kv_cache(batch, T + 8, static=True)
+    static.k.normal_(0, 100, generator=torch.Generator().manual_seed(seed))
+    static.v.normal_(0, 100, generator=torch.Generator().manual_seed(seed + 1))
+    return max_error(model(idx, kv_cache=static, input_pos=torch.arange(T))[0], model(idx)[0])
+
+
+def receptive_field_reach(config):
+    """How many positions after a token still see it: each layer looks window - 1 positions back."""
+    return config.n_layer * (config.window - 1) if config.window else config.block_size
+
+
+@torch.no_grad()
+def receptive_field(model, changed_at=10, seed=3):
+    """Change the token at changed_at and see which positions' logits move. Returns (the largest change
+    outside the receptive field, the change at its far edge): causal, and with a window, nothing past
+    n_layer * (window - 1) positions on, derived from the definition rather than from model.py."""
+    T = model.config.block_size
+    idx = tokens(model, (1, T), seed)
+    changed = idx.clone()
+    changed[0, changed_at] = (idx[0, changed_at] + 1) % model.config.vocab_size
+    moved = (model(idx)[0] - model(changed)[0]).abs().amax(dim=-1)[0]  # (T,)
+    last = min(changed_at + receptive_field_reach(model.config), T - 1)
+    outside = torch.cat([moved[:changed_at], moved[last + 1:]])
+    return (outside.max().item() if outside.numel() else 0.0), moved[last].item()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The configs cover every setting
+
+
+def test_configs_cover_every_setting():
+    """Every GPTConfig field takes two values across CONFIGS (a new field fails here until an entry sets
+    it), every MLP kind appears, and multi-head, grouped-query and multi-query attention all appear."""
+    configs = [config(name) for name in NAMES]
+    for field in fields(GPTConfig):
+        values = {getattr(c, field.name) for c in configs}
+        assert len(values) >= 2, f"no entry of CONFIGS sets {field.name}: add one that does"
+    assert {c.mlp for c in configs} == set(MLP_KINDS)
+    kv = {"mha" if c.n_kv_head == c.n_head else "mqa" if c.n_kv_head == 1 else "gqa" for c in configs}
+    assert kv == {"mha", "gqa", "mqa"}
+    assert any(c.head_dim != c.n_embd // c.n_head for c in configs)
+    assert any(0 < c.window < c.block_size // 4 for c in configs)  # a window that really cuts
+
+
+# ----------------------------------------------------------------------------------------------------
+# a, b, f: every attention path gives the same logits
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cache_in_chunks_equals_full_forward(name):
+    assert cache_vs_full(build(name)) < TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_static_cache_equals_growing_cache(name):
+    assert static_vs_growing(build(name)) < TOL
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_forward_fast_path_equals_the_mask_rule(name, monkeypatch):
+    model, calls = build(name), []
+    original = model_py.can_attend
+
+    def counting(query_pos, key_pos, window):
+        calls.append(query_pos.numel())
+        return original(query_pos, key_pos, window)
+
+    monkeypatch.setattr(model_py, "can_attend", counting)
+    assert fast_path_vs_mask(model) < TOL
+    assert any(n > 1 for n in calls)  # the static side did go through the mask rule, for a whole chunk
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name):
+    outside, edge = receptive_field(build(name))
+    assert outside < TOL  # nothing before it (causal), nothing past the window's reach
+    assert edge > BROKEN  # and the window reaches that far, not one position less
+
+
+# ----------------------------------------------------------------------------------------------------
+# c, d: decoding
+
+
+@torch.no_grad()
+def naive_greedy(model, idx, n):
+    """Recompute the whole sequence at every step, no cache."""
+    for _ in range(n):
+        idx = torch.cat([idx, model(idx)[0][:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return idx
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generate_equals_naive_loop(name):
+    model = build(name)
+    prompt = tokens(model, (2, 6), seed=4)
+    n = model.config.block_size - 6
+    expected = naive_greedy(model, prompt, n)
+    assert torch.equal(model.generate(prompt, n, temperature=0.0), expected)
+    assert len(expected[:, 6:].unique()) > 8  # varied output: positions and context matter to the check
+
+
+class NoTextTokenizer:
+    """What engine.Samples needs from a tokenizer: a vocabulary size, no end-of-text, no text."""
+
+    def __init__(self, vocab_size):
+        self.vocab_size, self.eot = vocab_size, None
+
+    def decoder(self):
+        return lambda token: ""
+
+
+class RecordingSamples(engine.Samples):
+    """Samples that also keep each sample's token ids."""
+
+    def __init__(self, n, vocab_size):
+        super().__init__(n, NoTextTokenizer(vocab_size), [], stream=False)
+        self.tokens = [[] for _ in range(n)]
+
+    def add(self, sample, token):
+        self.tokens[sample].append(token)
+        return super().add(sample, token)
+
+
+def greedy_settings(max_new_tokens, draft_k=3):
+    return dict(num_samples=1, max_new_tokens=max_new_tokens, temperature=0.0, top_k=None, top_p=None,
+                no_kv_cache=False, compile=False, draft_k=draft_k)
+
+
+@torch.no_grad()
+def naive_greedy_sliding(model, prompt, n):
+    """Greedy by recomputing the whole context every step, with the engine's documented window policy: when
+    the context would pass block_size, it restarts from its last block_size // 2 tokens."""
+    context, out = list(prompt), []
+    for _ in range(n):
+        if len(context) > model.config.block_size:
+            context = context[-(model.config.block_size // 2):]
+        out.append(int(model(torch.tensor([context]))[0][0, -1].argmax()))
+        context.append(out[-1])
+    return out
+
+
+def noised(model, seed, scale=0.15):
+    """A draft: the model's weights plus noise, so that it agrees with the model often, not always."""
+    draft = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(scale * torch.randn(param.shape, generator=generator))
+    return draft
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_speculative_greedy_equals_plain_greedy(name):
+    model = build(name)
+    vocab, prompt = model.config.vocab_size, tokens(model, (5,), seed=5).tolist()
+    n = model.config.block_size + 5  # past block_size: the context window slides once
+    expected = naive_greedy_sliding(model, prompt, n)
+    assert len(set(expected)) > 8  # varied output, so that agreeing means something
+
+    plain = RecordingSamples(1, vocab)
+    engine.decode_batch(model, prompt, greedy_settings(n), plain, torch.Generator().manual_seed(0))
+    assert plain.tokens[0] == expected
+
+    spec = RecordingSamples(1, vocab)
+    accepted, proposed = engine.decode_speculative(model, noised(model, seed=6), prompt, greedy_settings(n),
+                                                   spec, torch.Generator().manual_seed(0))
+    assert spec.tokens[0] == expected
+    assert 0 < accepted < proposed  # the draft was right sometimes and wrong sometimes: both paths ran
+
+
+# ----------------------------------------------------------------------------------------------------
+# e: export to Hugging Face and back
+
+
+def has_hf_counterpart(config):
+    """README: bias=False or True, swiglu, no window is a Llama (qk_norm=False) or a Qwen3 (qk_norm=True,
+    which has no biases). Written here from the documentation, not taken from export.py."""
+    return config.mlp == "swiglu" and config.window == 0 and not (config.qk_norm and config.bias)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_round_trip_is_exact_or_refused(name, tmp_path):
+    pytest.importorskip("safetensors")
+    pytest.importorskip("transformers")  # export_hf then also compares logits with transformers
+    model, folder = build(name), str(tmp_path / "hf")
+    if not has_hf_counterpart(model.config):
+        with pytest.raises(export.ConvertError):
+            export.export_hf(model, None, folder)
+        assert os.listdir(tmp_path) == []  # no folder, no temp folder left behind
+        return
+    export.export_hf(model, None, folder)
+    loaded, meta = checkpoint.load_hf(folder)
+    assert meta is None
+    assert asdict(loaded.config) == asdict(replace(model.config, dropout=0.0))  # dropout: a training switch
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[key], theirs[key]) for key in ours)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The suite is live: a planted bug in the mask rule is caught
+
+
+ORIGINAL_CAN_ATTEND = model_py.can_attend
+
+
+def hide_previous_key_when_decoding(query_pos, key_pos, window):
+    """Off by one for a single query only (token-by-token decoding): it loses the key just before it."""
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, window)
+    return visible & (key_pos != query_pos - 1) if query_pos.numel() == 1 else visible
+
+
+def see_next_key_when_decoding(query_pos, key_pos, window):
+    """Off by one for a single query only: it also sees the slot after it (only a static cache has one)."""
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, window)
+    return visible | (key_pos == query_pos + 1) if query_pos.numel() == 1 else visible
+
+
+def hide_first_key_in_chunks(query_pos, key_pos, window):
+    """Wrong for several queries only: all but the first lose key 0; is_causal does not ask can_attend."""
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, window)
+    return visible & ((key_pos != 0) | (query_pos == 0)) if query_pos.numel() > 1 else visible
+
+
+def window_one_too_wide(query_pos, key_pos, window):
+    """The same wrong window on every path: the cache invariants cannot see it, the receptive field can."""
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, window + 1 if window else 0)
+
+
+def receptive_field_error(model):
+    """receptive_field as one number for BREAKS: a change outside the field, or 1 if the field stops short."""
+    outside, edge = receptive_field(model)
+    return max(outside, 1.0 if edge <= BROKEN else 0.0)
+
+
+BREAKS = {  # a planted bug -> the invariant that must catch it
+    "hide_previous_key_when_decoding": (hide_previous_key_when_decoding, cache_vs_full),
+    "see_next_key_when_decoding": (see_next_key_when_decoding, static_vs_growing),
+    "hide_first_key_in_chunks": (hide_first_key_in_chunks, fast_path_vs_mask),
+    "window_one_too_wide": (window_one_too_wide, receptive_field_error),
+}
+
+
+@pytest.mark.parametrize("bug", BREAKS)
+def test_a_planted_mask_bug_is_caught(bug, monkeypatch):
+    broken, invariant = BREAKS[bug]
+    models = {name: build(name) for name in NAMES}
+    monkeypatch.setattr(model_py, "can_attend", broken)  # attention looks it up at call time
+    errors = {name: invariant(m) for name, m in models.items()}
+    assert max(errors.values()) > BROKEN, errors  # caught for at least one config
+    monkeypatch.undo()
+    assert model_py.can_attend is ORIGINAL_CAN_ATTEND
+    assert max(invariant(m) for m in models.values()) < TOL  # and with the rule restored, it holds again
