@@ -8,14 +8,19 @@ The decoding engine: from a prompt's token ids to new tokens, fast, for sample.p
 - decode_speculative: a smaller draft model proposes draft_k tokens, the model checks them in one forward
   pass, and the output follows the model's own distribution exactly.
 - Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
+- thin_input_linears: a CPU speed trick for decode batches, used only where it measures faster here.
 
 Settings are sample.py's: num_samples, max_new_tokens, temperature, top_k, top_p, no_kv_cache, compile,
 draft_k. The next token is always chosen by model.sample_next_token / model.sampling_probs.
 """
 
+import contextlib
 import sys
+import time
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from model import sample_next_token, sampling_probs
 
@@ -83,12 +88,68 @@ def last_logits(model, tokens, cache):
     return model.lm_head(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
+# ----------------------------------------------------------------------------------------------------
+# A CPU speed trick, used only where it measures faster on the machine at hand
+
+THIN_ROWS = range(4, 17)  # a decode batch: too many rows for a matrix-vector product, too few for a good GEMM
+thin_pays = {}  # (rows, out_features, in_features, dtype) -> whether (W @ x^T)^T measured faster than x @ W^T
+
+
+def thin_input_linear(layer, x):
+    """layer(x) for a linear layer, with an input of THIN_ROWS rows computed as (W @ x^T)^T: some BLAS (MKL on
+    an Intel Xeon) runs that form near memory bandwidth where x @ W^T runs well below (bench/RESULTS.md)."""
+    rows = x.numel() // x.size(-1)
+    if rows not in THIN_ROWS:
+        return F.linear(x, layer.weight, layer.bias)
+    y = (layer.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
+    if layer.bias is not None:
+        y = y + layer.bias
+    return y.view(*x.shape[:-1], -1)
+
+
+def thin_is_faster(layer, rows, repeats=5):
+    """Whether thin_input_linear beats F.linear on this machine for layer (the output head: the largest matrix,
+    most of a step's time) at rows rows; each timed repeats times, interleaved, best kept. Measured once."""
+    key = (rows, *layer.weight.shape, layer.weight.dtype)
+    if key not in thin_pays:
+        x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
+        best = {}
+        for _ in range(repeats):
+            for name, fn in (("thin", thin_input_linear), ("plain", lambda layer, x: F.linear(x, layer.weight))):
+                start = time.perf_counter()
+                fn(layer, x)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
+        thin_pays[key] = best["thin"] < best["plain"]
+    return thin_pays[key]
+
+
+@contextlib.contextmanager
+def thin_input_linears(model, rows):
+    """While in the block, every linear layer of the model computes inputs of THIN_ROWS rows (a decode batch) as
+    (W @ x^T)^T, if that measures faster on this CPU at rows rows; elsewhere (GPUs, other sizes) nothing changes."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    use = model.lm_head.weight.device.type == "cpu" and rows in THIN_ROWS and thin_is_faster(model.lm_head, rows)
+    for layer in linears if use else []:
+        layer.forward = lambda x, layer=layer: thin_input_linear(layer, x)  # this instance only
+    try:
+        yield
+    finally:
+        for layer in linears if use else []:
+            del layer.forward
+
+
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
     """Decode num_samples continuations of the prompt together, one token per step; samples that end
     leave the batch. With no_kv_cache, every step recomputes the whole context instead. With compile, the
     decode step is compiled, and samples that end stay in the batch (their tokens unused): a batch that
     shrank would be a new shape to compile."""
+    with contextlib.nullcontext() if settings["compile"] else thin_input_linears(model, settings["num_samples"]):
+        decode_loop(model, prompt_ids, settings, samples, generator)
+
+
+def decode_loop(model, prompt_ids, settings, samples, generator):
+    """decode_batch's steps, with the model as it is given."""
     n, block_size, device = settings["num_samples"], model.config.block_size, model.lm_head.weight.device
     vocab_size = samples.tokenizer.vocab_size
     compiled = settings["compile"] and not settings["no_kv_cache"]

@@ -1,12 +1,13 @@
 """Tests for engine.py beyond what sample.py's end-to-end tests show: speculative sampling follows the target
-model's distribution (a chi-square test over many steps), and each speculative step leaves both KV caches
-holding exactly the accepted tokens."""
+model's distribution (a chi-square test over many steps), each speculative step leaves both KV caches
+holding exactly the accepted tokens, and the CPU speed trick computes what nn.Linear does, only where on."""
 
 import math
 from statistics import NormalDist
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import engine
 from model import GPT, GPTConfig
@@ -161,3 +162,37 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
     assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
 
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# The CPU speed trick for decode batches
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_thin_input_linear_equals_nn_linear_for_every_row_count(rows, bias):
+    """thin_input_linear computes 4 to 16 rows as (W @ x^T)^T; the result is nn.Linear's, in x's shape."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 1, 48)
+    actual = engine.thin_input_linear(layer, x)
+    assert actual.shape == (rows, 1, 80)
+    torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_thin_input_linears_apply_only_where_measured_faster_and_only_inside(monkeypatch, faster):
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)).eval()
+    monkeypatch.setattr(engine, "thin_is_faster", lambda layer, rows: faster)
+    calls = []
+    monkeypatch.setattr(engine, "thin_input_linear", lambda layer, x: calls.append(layer) or F.linear(x, layer.weight, layer.bias))
+    x = torch.randint(0, 64, (8, 3))
+    with torch.no_grad():
+        expected = model(x)[0]
+        with engine.thin_input_linears(model, rows=8):
+            inside = model(x)[0]
+        assert len(calls) == (8 if faster else 0)  # q, k, v, o, gate, up, down and the head
+        model(x)
+    torch.testing.assert_close(inside, expected)
+    assert len(calls) == (8 if faster else 0)  # outside the block: nn.Linear again
+    assert not any("forward" in vars(m) for m in model.modules())
