@@ -108,8 +108,8 @@ def thin_input_linear(layer, x):
 
 
 def thin_is_faster(layer, rows, repeats=5):
-    """Whether thin_input_linear beats F.linear on this machine for layer (the output head: the largest matrix,
-    most of a step's time) at rows rows; each timed repeats times, interleaved, best kept. Measured once."""
+    """Whether thin_input_linear beats F.linear on this machine for layer (the output head, a step's largest
+    matrix) at rows rows; each timed repeats times, interleaved, best kept. Measured once per shape."""
     key = (rows, *layer.weight.shape, layer.weight.dtype)
     if key not in thin_pays:
         x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)

@@ -67,8 +67,7 @@ class GPTConfig:
         return 4 * self.n_embd
 
 
-def norm(dim, config):
-    """Every norm of the model is made here: RMSNorm with a learned scale, as in Llama and Qwen3."""
+def norm(dim, config):  # every norm of the model is made here: RMSNorm with a learned scale (Llama, Qwen3)
     return nn.RMSNorm(dim, eps=config.norm_eps)
 
 
@@ -76,15 +75,22 @@ def norm(dim, config):
 # Positions (RoPE and the mask rule), attention and the KV cache
 
 
-def rope(x, positions, base):
-    """Turn each pair (x[i], x[i + hd/2]) of x (B, T, h, hd) by the angle p * base^(-2i/hd), p the token's
-    position (positions is (T,)), in fp32 also under bf16 autocast: long contexts need the precision."""
-    head_dim = x.size(-1)
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)  # (hd/2,)
-    angles = positions[:, None].float() * inv_freq  # (T, hd/2)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]  # (T, 1, hd/2): the same for every head
-    x1, x2 = x.float().chunk(2, dim=-1)  # (B, T, h, hd/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+class Positions:
+    """Where the tokens of a forward pass are: ids (T,), their positions in the sequence, and RoPE's cos and sin
+    there (T, 1, hd), computed once for all layers, in fp32 (also under bf16 autocast: long contexts need it)."""
+
+    def __init__(self, ids, head_dim, base):
+        self.ids = ids
+        inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
+        angles = (ids[:, None] * inv_freq).repeat(1, 2)[:, None, :]  # (T, 1, hd): pair i's angle at i and i + hd/2
+        self.cos, self.sin = angles.cos(), angles.sin()  # the same for every head
+
+
+def rope(x, positions):
+    """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
+    position: x cos + rotate_half(x) sin, where rotate_half(x) = (-x[i + hd/2], x[i])."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.addcmul(x.float() * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin).to(x.dtype)
 
 
 def can_attend(query_pos, key_pos, window):
@@ -97,9 +103,8 @@ def can_attend(query_pos, key_pos, window):
 
 
 def attention(q, k, v, positions, window, dropout_p=0.0):
-    """softmax(q k^T / sqrt(hd) + mask) v with grouped-query heads, the mask can_attend's. q (B, nh, T, hd) are
-    the tokens at positions (T,); k, v (B, n_kv, S, hd) the keys of positions 0 .. S-1. With S == T those are
-    the queries' own positions, and with no window can_attend is is_causal (its fast kernel; tested)."""
+    """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions (T,), k and v
+    (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
     if window == 0 and T == S:
@@ -127,13 +132,15 @@ class KVCache:
     def update(self, layer, k, v, positions):
         """Write this layer's k, v (B, n_kv, T, hd) of the tokens at positions (T,) into their slots; return the
         keys and values attention reads (B, n_kv, S, hd): slots 0 .. pos + T - 1, or every slot if static."""
+        if not self.static:  # positions are pos .. pos + T - 1: a slice, the cheapest write
+            end = self.pos + k.size(2)
+            self.k[layer, :, :, self.pos:end], self.v[layer, :, :, self.pos:end] = k, v
+            return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
         # One index_put_ on the whole buffer, not on the view self.k[layer]: compiled, a write into a view of an
         # input becomes a copy of the whole input (every layer's cache, every step); this one stays in place.
         index = (self.layer_ids[layer:layer + 1], slice(None), slice(None), positions)
-        self.k[index] = k.permute(2, 0, 1, 3)  # the indexed dims come first: (T, B, n_kv, hd)
-        self.v[index] = v.permute(2, 0, 1, 3)
-        n_keys = self.max_len if self.static else self.pos + k.size(2)
-        return self.k[layer, :, :, :n_keys], self.v[layer, :, :, :n_keys]
+        self.k[index], self.v[index] = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # indexed dims first: (T, B, n_kv, hd)
+        return self.k[layer], self.v[layer]
 
     def select_rows(self, rows):
         """Keep the batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
@@ -159,23 +166,18 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()  # one for all heads (Qwen3)
         self.k_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
 
-    def forward(self, x, positions, kv_cache=None):  # x (B, T, C) of the tokens at positions (T,)
+    def forward(self, x, positions, kv_cache=None):  # x (B, T, C) of the tokens at Positions positions
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim))  # (B, T, nh, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim))  # (B, T, n_kv, hd)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = rope(q, positions, self.config.rope_base), rope(k, positions, self.config.rope_base)
+        q, k = rope(q, positions), rope(k, positions)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first: (B, h, T, hd)
         if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, k, v, positions)  # (B, n_kv, S, hd): the cached keys too
-        dropout_p = self.config.dropout if self.training else 0.0
-        y = attention(q, k, v, positions, self.config.window, dropout_p)  # (B, nh, T, hd)
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+            k, v = kv_cache.update(self.layer_idx, k, v, positions.ids)  # (B, n_kv, S, hd): the cached keys too
+        y = attention(q, k, v, positions.ids, self.config.window, self.config.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, nh, T, hd) -> (B, T, nh * hd)
         return self.resid_dropout(self.o_proj(y))
-
-
-# ----------------------------------------------------------------------------------------------------
-# The rest of the block and the model
 
 
 class MLP(nn.Module):
@@ -242,7 +244,7 @@ class GPT(nn.Module):
     def hidden_states(self, idx, kv_cache=None, input_pos=None):
         """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T). With a kv_cache, idx continues
         the cached sequence: after its pos positions (advanced here), or at input_pos for a static cache."""
-        positions = self.positions(idx, kv_cache, input_pos)  # (T,)
+        positions = self.positions(idx, kv_cache, input_pos)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
             x = block(x, positions, kv_cache)
@@ -251,7 +253,7 @@ class GPT(nn.Module):
         return self.norm(x)
 
     def positions(self, idx, kv_cache, input_pos):
-        """The positions (T,) of the tokens idx (B, T), after checking that they fit where they go."""
+        """The Positions of the tokens idx (B, T), after checking that they fit where they go."""
         B, T = idx.shape
         start, end = (0, self.config.block_size) if kv_cache is None else (kv_cache.pos, kv_cache.max_len)
         if (input_pos is not None) != (kv_cache is not None and kv_cache.static):
@@ -262,15 +264,14 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {end}" if kv_cache is None else
                              f"KV cache overflow: {start} cached + {T} new tokens > max_len {end}; "
                              "make the cache larger with new_kv_cache(batch_size, max_len)")
-        return torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
+        ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
+        return Positions(ids, self.config.head_dim, self.config.rope_base)
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None):
         """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;
         -1 is ignored) or None. input_pos: see hidden_states."""
         logits = self.lm_head(self.hidden_states(idx, kv_cache, input_pos))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def new_kv_cache(self, batch_size, max_len, dtype=None, device=None, static=False):

@@ -334,14 +334,14 @@ def test_export_refuses_a_model_whose_tensors_are_not_a_llamas(edit, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def interleaved_rope(x, positions, base):
+def interleaved_rope(x, positions):
     """RoPE turning the pairs (x[2i], x[2i + 1]), as Meta's Llama code does, not Hugging Face's (x[i], x[i + hd/2])."""
-    turned = rope(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), positions, base)  # evens, then odds
+    turned = rope(x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2), positions)  # evens, then odds
     return turned.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
 
 SAME_TENSORS_OTHER_MODEL = {
-    "no_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", lambda x, positions, base: x),
+    "no_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", lambda x, positions: x),
     "interleaved_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", interleaved_rope),
     "layer_norm_without_bias": lambda model, monkeypatch: layer_norms(model, bias=False),
 }
@@ -363,7 +363,7 @@ def test_a_refused_export_leaves_an_earlier_export_in_the_folder_as_it_was(monke
     folder = tmp_path / "hf"
     export_hf(our_model("llama_like"), char_meta(), str(folder))
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
-    monkeypatch.setattr("model.rope", lambda x, positions, base: x)
+    monkeypatch.setattr("model.rope", lambda x, positions: x)
     model = randomize_(our_model("llama_like"), seed=7)  # other weights too: any file replaced would show
     with pytest.raises(ConvertError, match="other logits"):
         export_hf(model, None, str(folder))

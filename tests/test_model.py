@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from model import GPT, GPTConfig, KVCache, attention, rope, sample_next_token, sampling_probs
+from model import GPT, GPTConfig, KVCache, Positions, attention, rope, sample_next_token, sampling_probs
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
 
@@ -107,7 +107,7 @@ def test_attention_layer_matches_formula(kind, qk_norm, head_dim):
     y = attention_by_hand(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), n_cached=0)
     expected = y.transpose(1, 2).reshape(B, T, -1) @ attn.o_proj.weight.T
     with torch.no_grad():
-        actual = attn(x, torch.arange(T))
+        actual = attn(x, Positions(torch.arange(T), hd, model.config.rope_base))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -323,8 +323,8 @@ def test_rope_score_depends_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, hd), torch.randn(1, 1, 1, hd)
 
     def score(m, n):
-        q_m = rope(q, torch.tensor([m]), base=10000.0)
-        k_n = rope(k, torch.tensor([n]), base=10000.0)
+        q_m = rope(q, Positions(torch.tensor([m]), hd, base=10000.0))
+        k_n = rope(k, Positions(torch.tensor([n]), hd, base=10000.0))
         return (q_m * k_n).sum().item()
 
     for m, n in [(5, 2), (9, 9), (3, 17)]:
