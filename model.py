@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+MLP_KINDS = ("swiglu", "gelu", "relu2")
+
 
 @dataclass
 class GPTConfig:
@@ -32,7 +34,7 @@ class GPTConfig:
     head_dim: int = 0  # width of each attention head; 0 means n_embd // n_head (Qwen3 sets it apart)
     dropout: float = 0.0
     bias: bool = False  # biases in the linear layers (GPT-2 has them, Llama and Qwen3 do not)
-    mlp: str = "swiglu"  # "swiglu", "gelu" or "relu2"
+    mlp: str = "swiglu"  # one of MLP_KINDS
     mlp_hidden: int = 0  # MLP width; 0 picks 4 * n_embd, or about 8/3 * n_embd for swiglu (same parameters)
     qk_norm: bool = True  # RMSNorm on q and k per head before RoPE (Qwen3); steadies training
     rope_base: float = 10000.0
@@ -45,8 +47,10 @@ class GPTConfig:
             if not ok:
                 raise ValueError(f"GPTConfig.{field} {what}, got {getattr(self, field)!r}")
 
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "mlp_hidden", "window"):
-            value, low = getattr(self, name), 0 if name in ("head_dim", "mlp_hidden", "window") else 1  # 0: default/none
+        lowest = dict(vocab_size=1, block_size=1, n_layer=1, n_head=1, n_kv_head=1, n_embd=1, head_dim=0, mlp_hidden=0,
+                      window=0)  # the integer fields; head_dim and mlp_hidden 0: the default, window 0: none
+        for name, low in lowest.items():
+            value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"must be an int >= {low}")
         if self.head_dim == 0:
             require(self.n_embd % self.n_head == 0, "n_embd", f"must be a multiple of n_head ({self.n_head}) or set head_dim")
@@ -54,7 +58,7 @@ class GPTConfig:
         require(self.n_head % self.n_kv_head == 0, "n_head", f"must be divisible by n_kv_head ({self.n_kv_head})")
         require(self.head_dim % 2 == 0, "head_dim", "must be even for RoPE")
         require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
-        require(self.mlp in ("swiglu", "gelu", "relu2"), "mlp", "must be swiglu, gelu or relu2")
+        require(self.mlp in MLP_KINDS, "mlp", f"must be one of {MLP_KINDS}")
         for name in ("rope_base", "norm_eps"):
             require(getattr(self, name) > 0, name, "must be positive")
 
@@ -76,14 +80,13 @@ def norm(dim, config):  # every norm of the model is made here: RMSNorm with a l
 
 
 class Positions:
-    """Where the tokens of a forward pass are: ids (T,), their positions in the sequence, and RoPE's cos and sin
-    there (T, 1, hd), computed once for all layers, in fp32 (also under bf16 autocast: long contexts need it)."""
+    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers."""
 
     def __init__(self, ids, head_dim, base):
         self.ids = ids
         inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
         angles = (ids[:, None] * inv_freq).repeat(1, 2)[:, None, :]  # (T, 1, hd): pair i's angle at i and i + hd/2
-        self.cos, self.sin = angles.cos(), angles.sin()  # the same for every head
+        self.cos, self.sin = angles.cos(), angles.sin()  # fp32 even under bf16 autocast: long contexts need it
 
 
 def rope(x, positions):
@@ -93,23 +96,23 @@ def rope(x, positions):
     return torch.addcmul(x.float() * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin).to(x.dtype)
 
 
-def can_attend(query_pos, key_pos, window):
+def can_attend(query_pos, key_pos, config):
     """The mask rule, for every attention path: True where the query at query_pos may see the key at key_pos
     (tensors that broadcast). Causal: no key after the query; with a window, none window or more before it."""
     visible = key_pos <= query_pos
-    if window:
-        visible = visible & (key_pos > query_pos - window)
+    if config.window:
+        visible = visible & (key_pos > query_pos - config.window)
     return visible
 
 
-def attention(q, k, v, positions, window, dropout_p=0.0):
+def attention(q, k, v, positions, config, dropout_p=0.0):
     """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions (T,), k and v
     (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
-    if window == 0 and T == S:
+    if config.window == 0 and T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
-    mask = can_attend(positions[:, None], torch.arange(S, device=q.device), window)  # (T, S)
+    mask = can_attend(positions[:, None], torch.arange(S, device=q.device), config)  # (T, S)
     if T == 1:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
@@ -118,9 +121,8 @@ def attention(q, k, v, positions, window, dropout_p=0.0):
 
 
 class KVCache:
-    """Keys and values of every layer for up to max_len positions, preallocated, position p in slot p; n_kv_head
-    heads only (GQA: n_head / n_kv_head times less to hold and read). A growing cache counts its positions (pos);
-    a static one (gpt-fast's) is written at positions given (input_pos) and read whole: fixed shapes to compile."""
+    """Keys and values of every layer (n_kv_head heads only) for max_len positions, position p in slot p. A growing
+    cache counts its positions (pos); a static one is written at given input_pos and read whole (torch.compile)."""
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
@@ -175,7 +177,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first: (B, h, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, positions.ids)  # (B, n_kv, S, hd): the cached keys too
-        y = attention(q, k, v, positions.ids, self.config.window, self.config.dropout if self.training else 0.0)
+        y = attention(q, k, v, positions.ids, self.config, self.config.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, nh, T, hd) -> (B, T, nh * hd)
         return self.resid_dropout(self.o_proj(y))
 
@@ -195,7 +197,7 @@ class MLP(nn.Module):
             hidden = F.silu(self.gate_proj(x)) * self.up_proj(x)
         elif self.kind == "gelu":
             hidden = F.gelu(self.up_proj(x), approximate="tanh")
-        else:  # relu2
+        elif self.kind == "relu2":  # a kind with no branch here leaves hidden unset: an error, not a silent fallback
             hidden = F.relu(self.up_proj(x)).square()
         return self.dropout(self.down_proj(hidden))
 
@@ -242,8 +244,7 @@ class GPT(nn.Module):
                 module.reset_parameters()  # norms: scale 1 (and bias 0)
 
     def hidden_states(self, idx, kv_cache=None, input_pos=None):
-        """The final normed hidden states (B, T, n_embd) of the tokens idx (B, T). With a kv_cache, idx continues
-        the cached sequence: after its pos positions (advanced here), or at input_pos for a static cache."""
+        """Final normed hidden states (B, T, n_embd) of idx (B, T), after the cache's positions if one is given."""
         positions = self.positions(idx, kv_cache, input_pos)
         x = self.dropout(self.embed_tokens(idx))  # (B, T, C)
         for block in self.layers:
@@ -261,9 +262,8 @@ class GPT(nn.Module):
         if kv_cache is not None and kv_cache.k.size(1) != B:
             raise ValueError(f"KV cache was made for batch size {kv_cache.k.size(1)}, got a batch of {B}")
         if input_pos is None and start + T > end:
-            raise ValueError(f"sequence length {T} exceeds block_size {end}" if kv_cache is None else
-                             f"KV cache overflow: {start} cached + {T} new tokens > max_len {end}; "
-                             "make the cache larger with new_kv_cache(batch_size, max_len)")
+            raise ValueError(f"sequence length {T} exceeds block_size {end}" if kv_cache is None else f"KV cache "
+                             f"overflow: {start} cached + {T} new tokens > max_len {end}; make a larger new_kv_cache")
         ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
         return Positions(ids, self.config.head_dim, self.config.rope_base)
 

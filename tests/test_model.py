@@ -52,7 +52,7 @@ def test_attention_matches_formula(kind, n_cached, T):
     k = torch.randn(B, HEADS[kind], n_cached + T, hd)
     v = torch.randn(B, HEADS[kind], n_cached + T, hd)
     expected = attention_by_hand(q, k, v, n_cached)
-    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), window=0)
+    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), tiny_config())
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -65,7 +65,7 @@ def test_static_attention_over_whole_cache_matches_formula(kind, T):
     q = torch.randn(B, 4, T, hd)
     k, v = torch.randn(B, HEADS[kind], max_len, hd) * 5, torch.randn(B, HEADS[kind], max_len, hd) * 5
     expected = attention_by_hand(q, k[:, :, :n_cached + T], v[:, :, :n_cached + T], n_cached)
-    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), window=0)
+    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T), tiny_config())
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
