@@ -133,8 +133,10 @@ def check_logits(model, folder):
     transformers is not installed (nothing checked)."""
     try:
         from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
     except ImportError:
         return False
+    logging.disable_progress_bar()  # its weight-loading bar would be the export's only stderr output
     theirs = AutoModelForCausalLM.from_pretrained(folder).float().eval()
     idx = torch.randint(0, model.config.vocab_size, (2, min(64, model.config.block_size)),
                         generator=torch.Generator().manual_seed(0))
