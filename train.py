@@ -408,7 +408,8 @@ def main(argv):
         progress_bar.close()
     if master:
         log.close()
-    if world_size > 1:
+    if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
+        dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
         dist.destroy_process_group()
 
 
