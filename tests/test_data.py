@@ -7,13 +7,10 @@ import subprocess
 import sys
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import tiktoken
 import torch
 
-from data.fineweb import prepare as fineweb
 from data.shakespeare import prepare as shakespeare
 from data.shards import DataError, ShardLoader, atomic_open, check_vocab, load_meta, read_shard, write_meta, write_shard
 
@@ -133,22 +130,32 @@ def make_docs():
 
 def write_corpus(path, docs):
     if str(path).endswith(".parquet"):
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
         pq.write_table(pa.table({"text": docs, "id": list(range(len(docs)))}), path)
     else:
         with open(path, "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs))
 
 
-def prepare_fineweb(corpus, out_dir, shard_size=500):
+@pytest.fixture
+def fineweb():
+    """data/fineweb/prepare.py; it reads corpora through datasets, which a GPU machine may not have."""
+    pytest.importorskip("datasets", reason="data/fineweb/prepare.py reads corpora through datasets")
+    from data.fineweb import prepare
+
+    return prepare
+
+
+def prepare_fineweb(fineweb, corpus, out_dir, shard_size=500):
     fineweb.main(["--data_files", str(corpus), "--out_dir", str(out_dir),
                   "--shard_size", str(shard_size), "--num_workers", "2"])
 
 
 @pytest.mark.parametrize("ext", ["jsonl", "parquet"])
-def test_fineweb_pipeline_gives_tiktoken_tokens(tmp_path, ext):
+def test_fineweb_pipeline_gives_tiktoken_tokens(tmp_path, ext, fineweb):
     docs = make_docs()
     write_corpus(tmp_path / f"corpus.{ext}", docs)
-    prepare_fineweb(tmp_path / f"corpus.{ext}", tmp_path / "out")
+    prepare_fineweb(fineweb, tmp_path / f"corpus.{ext}", tmp_path / "out")
     enc = tiktoken.get_encoding("gpt2")
     expected = [t for d in docs for t in [GPT2_EOT] + enc.encode_ordinary(d)]
     val, train = split_tokens(tmp_path / "out", "val"), split_tokens(tmp_path / "out", "train")
@@ -159,7 +166,7 @@ def test_fineweb_pipeline_gives_tiktoken_tokens(tmp_path, ext):
     assert {"fineweb_val_000000.bin", "fineweb_train_000001.bin"} <= set(os.listdir(tmp_path / "out"))
 
 
-def test_fineweb_reads_ahead_a_bounded_number_of_documents():
+def test_fineweb_reads_ahead_a_bounded_number_of_documents(fineweb):
     pulled = []
 
     def big_corpus():  # 1000 batches of 10 documents
@@ -193,15 +200,15 @@ def half_written(path, tokens):
 
 
 @pytest.mark.parametrize("where", ["writing a shard", "after a shard, before its progress"])
-def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, where):
+def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, where, fineweb):
     write_corpus(tmp_path / "corpus.jsonl", make_docs())
-    prepare_fineweb(tmp_path / "corpus.jsonl", tmp_path / "whole")
+    prepare_fineweb(fineweb, tmp_path / "corpus.jsonl", tmp_path / "whole")
     if where == "writing a shard":
         monkeypatch.setattr(fineweb, "write_shard", crash_on_call(fineweb.write_shard, 4, before=half_written))
     else:
         monkeypatch.setattr(fineweb, "save_progress", crash_on_call(fineweb.save_progress, 4))
     with pytest.raises(Crash):
-        prepare_fineweb(tmp_path / "corpus.jsonl", tmp_path / "resumed")
+        prepare_fineweb(fineweb, tmp_path / "corpus.jsonl", tmp_path / "resumed")
     monkeypatch.undo()
     progress = json.loads((tmp_path / "resumed" / "progress.json").read_text())
     assert progress["shards"] == 3 and progress["docs"] > 0 and not progress["done"]
@@ -209,7 +216,7 @@ def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, wh
     for name in finished:
         finished[name] = os.stat(tmp_path / "resumed" / name).st_mtime_ns
 
-    prepare_fineweb(tmp_path / "corpus.jsonl", tmp_path / "resumed")
+    prepare_fineweb(fineweb, tmp_path / "corpus.jsonl", tmp_path / "resumed")
     assert sorted(os.listdir(tmp_path / "resumed")) == sorted(os.listdir(tmp_path / "whole"))  # no .tmp left
     for name in os.listdir(tmp_path / "whole"):
         assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
@@ -217,7 +224,7 @@ def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, wh
         assert os.stat(tmp_path / "resumed" / name).st_mtime_ns == mtime
 
 
-def test_fineweb_errors_are_one_line(tmp_path):
+def test_fineweb_errors_are_one_line(tmp_path, fineweb):
     line = assert_user_error(run_script("data/fineweb/prepare.py", "--out_dir", str(tmp_path)))  # hub, offline
     assert "--data_files" in line
     with pytest.raises(DataError, match="no such files"):
