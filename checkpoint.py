@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import torch
 
+from files import atomic_open, write_failure
 from model import GPT, GPTConfig
 from tokenizer import TokenizerError, tokenizer_json_meta
 
@@ -50,10 +51,13 @@ def resolve_dtype(dtype, device):
 
 
 def save_checkpoint(path, checkpoint):
-    """torch.save to a temp file, then rename: a crash never leaves a half-written checkpoint."""
-    tmp = path + ".tmp"
-    torch.save(checkpoint, tmp)
-    os.replace(tmp, path)
+    """torch.save to a temp file, then rename: a crash or a full disk never leaves a half-written checkpoint,
+    and the one saved before stays. A failed write is a CheckpointError naming the path and the cause."""
+    try:
+        with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
+            torch.save(checkpoint, f)
+    except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
+        raise CheckpointError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
 def load_checkpoint(path):

@@ -24,7 +24,7 @@ import torch
 
 from checkpoint import CheckpointError, load_model
 from configurator import ConfigError, configure
-from data.shards import atomic_open
+from files import atomic_open
 from tokenizer import byte_to_unicode
 
 DEFAULTS = dict(

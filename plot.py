@@ -10,7 +10,6 @@ thin line, the val loss as markers on a line. Works on a run still in progress.
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,8 @@ import matplotlib.ticker
 
 matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
+
+from files import atomic_open, read_jsonl, write_failure
 
 
 class PlotError(Exception):
@@ -30,18 +31,12 @@ def read_metrics(out_dir):
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
         raise PlotError(f"no {path}; train a run there first, e.g. python train.py config/small.py --out_dir={out_dir}")
-    with open(path) as f:
-        lines = f.readlines()
+    try:
+        records, _ = read_jsonl(path)  # a last line being written right now (a running run) is left out
+    except ValueError as e:
+        raise PlotError(str(e)) from None
     train, val = [], []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno == len(lines) and not line.endswith("\n"):
-                continue  # the last line of a running run, being written right now
-            raise PlotError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+    for lineno, record in records:
         if not is_record(record):
             raise PlotError(f"{path}, line {lineno}: not a metrics record (needs iter, time and loss or val_loss)")
         (val if "val_loss" in record else train).append(record)
@@ -82,13 +77,12 @@ def draw(runs, logy=False):
 
 
 def save(fig, path):
-    """Write the PNG to a temp file, then rename: a viewer never sees a half-written image."""
-    tmp = path + ".tmp"
+    """Write the PNG atomically: a viewer never sees a half-written image."""
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        with atomic_open(path) as f:
+            fig.savefig(f, format="png")
     except OSError as e:
-        raise PlotError(f"cannot write {path}: {e.strerror or e}") from None
+        raise PlotError(f"cannot write {path}: {write_failure(e)}") from None
     finally:
         plt.close(fig)
 

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import torch
 
+from files import atomic_open, write_failure
 from tokenizer import GPT2_META  # a folder of llm.c shards without meta.json is GPT-2 tokens, what llm.c writes
 
 MAGIC = 20240520  # llm.c's token shard magic
@@ -27,20 +28,15 @@ class DataError(Exception):
 
 
 @contextlib.contextmanager
-def atomic_open(path):
-    """Open a temp file next to `path` for binary writing, and move it to `path` only if the block succeeds,
-    so a crash never leaves a half-written file under the final name."""
-    tmp = f"{path}.tmp"  # same folder, so os.replace is atomic; a rerun overwrites a stale one
-    f = open(tmp, "wb")
+def dataset_file(path):
+    """atomic_open(path): a crash or a full disk never leaves a half-written file, and a failed write (disk
+    full, over quota) is a one-line DataError naming the file."""
     try:
-        with f:
+        with atomic_open(path) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.remove(tmp)
-        raise
+    except OSError as e:
+        raise DataError(f"could not write {path} ({write_failure(e)}); no partial file was left: "
+                        "fix that and run the same command again") from None
 
 
 def write_shard(path, tokens):
@@ -53,7 +49,7 @@ def write_shard(path, tokens):
     version = 1 if len(tokens) == 0 or tokens.max() < 2**16 else 2
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = MAGIC, version, len(tokens)
-    with atomic_open(path) as f:
+    with dataset_file(path) as f:
         f.write(header.tobytes())
         f.write(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPES[version]))  # no copy when already the right dtype
 
@@ -80,7 +76,7 @@ def read_shard(path):
 
 def write_meta(data_dir, meta):
     """Write meta.json (tokenizer, vocab_size, eot_token, and for "char" the character list), atomically."""
-    with atomic_open(os.path.join(data_dir, "meta.json")) as f:
+    with dataset_file(os.path.join(data_dir, "meta.json")) as f:
         f.write(json.dumps(meta, indent=1).encode())
 
 

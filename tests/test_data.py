@@ -2,6 +2,7 @@
 
 import json
 import os
+import resource
 import struct
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import tiktoken
 import torch
 
 from data.shakespeare import prepare as shakespeare
-from data.shards import DataError, ShardLoader, atomic_open, check_vocab, load_meta, read_shard, write_meta, write_shard
+from data.shards import DataError, ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
+from files import atomic_open
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_PATH = os.path.join(ROOT, "data", "shakespeare", "input.txt")
@@ -23,9 +25,19 @@ class Crash(Exception):
     pass
 
 
-def run_script(*args):
+def run_script(*args, max_file_bytes=None):
+    """Run a script; with max_file_bytes, the kernel refuses to grow any file it writes past that size
+    (EFBIG, "File too large"), which is what a full disk (ENOSPC) or a quota (EDQUOT) does to a write."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    limit = max_file_bytes and (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes)))
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=limit)
+
+
+def same_files(folder_a, folder_b):
+    """Both folders hold the same file names with the same bytes."""
+    names = sorted(os.listdir(folder_a))
+    return names == sorted(os.listdir(folder_b)) and all(
+        open(os.path.join(folder_a, n), "rb").read() == open(os.path.join(folder_b, n), "rb").read() for n in names)
 
 
 def assert_user_error(result):
@@ -118,6 +130,17 @@ def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="--input"):
         shakespeare.read_text()
     assert not os.path.exists(tmp_path / "input.txt")
+
+
+def test_shakespeare_prepare_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_completes(tmp_path):
+    out = tmp_path / "out"
+    result = run_script("data/shakespeare_char/prepare.py", "--out_dir", str(out), max_file_bytes=500_000)
+    line = assert_user_error(result)  # the train shard (2 MB) does not fit
+    assert f"{out / 'shakespeare_char_train_000000.bin'} (File too large)" in line and "no partial file" in line
+    assert os.listdir(out) == []  # no partial shard, no temp file
+    assert run_script("data/shakespeare_char/prepare.py", "--out_dir", str(out)).returncode == 0
+    assert run_script("data/shakespeare_char/prepare.py", "--out_dir", str(tmp_path / "whole")).returncode == 0
+    assert same_files(out, tmp_path / "whole")
 
 
 # --- the web-scale prepare pipeline, on local files ---
@@ -222,6 +245,41 @@ def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, wh
         assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     for name, mtime in finished.items():  # finished shards were skipped, not rewritten
         assert os.stat(tmp_path / "resumed" / name).st_mtime_ns == mtime
+
+
+FULL_DISK_FROM_SHARD_3 = """
+import resource, runpy, sys
+sys.path.insert(0, sys.argv[1])
+import data.shards
+real_write_shard, calls = data.shards.write_shard, []
+
+def write_shard(path, tokens):  # from the third shard on, the disk is full: no file may grow past 2000 bytes
+    calls.append(path)
+    if len(calls) == 3:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
+    real_write_shard(path, tokens)
+
+data.shards.write_shard = write_shard  # prepare.py, run below, imports it from data.shards
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_fineweb_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_resumes(tmp_path, fineweb):
+    write_corpus(tmp_path / "corpus.jsonl", make_docs())
+    prepare_fineweb(fineweb, tmp_path / "corpus.jsonl", tmp_path / "whole")
+    (tmp_path / "full_disk.py").write_text(FULL_DISK_FROM_SHARD_3)
+    out = tmp_path / "resumed"
+    result = run_script(str(tmp_path / "full_disk.py"), ROOT, "data/fineweb/prepare.py", "--data_files",
+                        str(tmp_path / "corpus.jsonl"), "--out_dir", str(out), "--shard_size", "500", "--num_workers", "1")
+    *progress_bar, line = result.stderr.strip().splitlines()  # tqdm's bar, then the error
+    assert result.returncode == 1 and line.startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    assert f"{out / 'fineweb_train_000002.bin'} (File too large)" in line, line
+    # two finished shards (500 tokens: 2024 bytes each), a progress.json that says so; nothing partial
+    assert sorted(os.listdir(out)) == ["fineweb_train_000001.bin", "fineweb_val_000000.bin", "meta.json", "progress.json"]
+    assert json.loads((out / "progress.json").read_text())["shards"] == 2
+    prepare_fineweb(fineweb, tmp_path / "corpus.jsonl", out)  # the disk has room again
+    assert same_files(out, tmp_path / "whole")
 
 
 def test_fineweb_errors_are_one_line(tmp_path, fineweb):

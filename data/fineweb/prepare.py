@@ -27,7 +27,7 @@ from datasets import load_dataset
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from data.shards import DataError, atomic_open, write_meta, write_shard
+from data.shards import DataError, dataset_file, write_meta, write_shard
 from tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +125,7 @@ def load_progress(out_dir, settings):
 
 
 def save_progress(out_dir, progress):
-    with atomic_open(os.path.join(out_dir, "progress.json")) as f:
+    with dataset_file(os.path.join(out_dir, "progress.json")) as f:
         f.write(json.dumps(progress, indent=1).encode())
 
 

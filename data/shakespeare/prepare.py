@@ -13,7 +13,7 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from data.shards import DataError, atomic_open, write_meta, write_shard
+from data.shards import DataError, dataset_file, write_meta, write_shard
 from tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +36,7 @@ def read_text(path=None):
                 data = response.read()
         except OSError as e:  # no network, DNS failure, HTTP error: all OSErrors
             raise DataError(f"could not download Tiny Shakespeare ({e}); pass --input PATH to a local copy") from None
-        with atomic_open(TEXT) as f:
+        with dataset_file(TEXT) as f:
             f.write(data)
     return read_text(TEXT)
 

@@ -1,0 +1,88 @@
+"""
+Files a run cannot afford to lose, written and read so that a crash, a full disk or a second process never
+leaves one half-written or mixed. Checkpoints, token shards, metadata and plots are written through
+atomic_open; train.py holds lock_folder on its out_dir; train.py and plot.py read metrics.jsonl through
+read_jsonl.
+"""
+
+import contextlib
+import json
+import os
+
+try:
+    import fcntl  # POSIX; Windows has no flock, and there lock_folder locks nothing
+except ImportError:
+    fcntl = None
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode="wb"):
+    """Open a temp file next to `path` for writing, and move it to `path` only once the block succeeded and
+    the data is on disk: a crash, a kill or a full disk leaves the old file (or none), never a torn one, and
+    no temp file unless the process was killed outright (the next write replaces that one)."""
+    tmp = f"{path}.tmp"  # same folder, so os.replace is atomic
+    try:
+        with open(tmp, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_failure(error):
+    """Why a write failed, in a few words ("No space left on device", "File too large", ...). torch.save
+    reports a failed write as a RuntimeError ("unexpected pos ...") raised while handling the OSError."""
+    cause = error if isinstance(error, OSError) else error.__context__
+    if isinstance(cause, OSError) and cause.strerror:
+        return cause.strerror
+    return (str(error) or type(error).__name__).splitlines()[0]
+
+
+def read_jsonl(path):
+    """(records, dropped): (line number, record) for each line of a file of JSON lines. A last line that does
+    not parse is what a crash or a full disk leaves while it is written: it is left out and returned as
+    `dropped` (else None). A bad line anywhere else raises ValueError naming the file and line."""
+    with open(path, errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for i, (lineno, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                return records, line
+            raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
+        records.append((lineno, record))
+    return records, None
+
+
+class FolderInUse(Exception):
+    """Another process holds the folder's lock; `pid` is its process id as it wrote it (or "unknown")."""
+
+    def __init__(self, pid):
+        super().__init__(f"held by process {pid}")
+        self.pid = pid
+
+
+def lock_folder(folder):
+    """Take an exclusive lock on folder/lock, held until the returned file is closed or the process ends:
+    the OS releases it even after a kill, so a stale lock file never blocks. Raises FolderInUse when
+    another process holds it."""
+    f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
+    if fcntl is None:
+        return f
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "unknown"  # "unknown": the holder has not written it yet
+        f.close()
+        raise FolderInUse(pid) from None
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
