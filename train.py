@@ -8,7 +8,8 @@ Train a GPT on prepared token shards, on one CPU or GPU, or many through torchru
 
 Settings are the DEFAULTS below, changed by config files and --key=value overrides (configurator.py).
 Every logged figure goes to out_dir/metrics.jsonl; checkpoints go to out_dir/ckpt.pt and resume exactly
-with --init_from=resume. Ctrl-C (SIGINT) or SIGTERM saves a checkpoint and exits.
+with --init_from=resume. Ctrl-C (SIGINT) or SIGTERM saves a checkpoint and exits. One run at a time writes
+to an out_dir, and a run from scratch replaces the run already there only with --overwrite.
 """
 
 import contextlib
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device, resolve_dtype, save_checkpoint
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
+from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 from model import GPT, GPTConfig
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
@@ -42,6 +44,7 @@ DEFAULTS = dict(
     log_interval=10,
     always_save_checkpoint=True,  # else only when val loss improves
     init_from="scratch",  # "scratch", "resume" (from out_dir/ckpt.pt) or "hf:path" (a Llama/Qwen3 folder to fine-tune)
+    overwrite=False,  # let a run that does not resume replace the run already in out_dir (else that is refused)
     wandb_log=False,
     wandb_project="gpt",
     wandb_run_name="run",
@@ -188,44 +191,117 @@ def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
     return losses
 
 
-class MetricsLog:
-    """Every logged figure, appended as one JSON line to out_dir/metrics.jsonl, and sent to wandb if on."""
+class RunDir:
+    """The out_dir of a run, held by rank 0 from start to end: a lock, so that one run at a time writes there;
+    metrics.jsonl, every logged figure as one JSON line (also sent to wandb if on); and ckpt.pt. A write that
+    fails (a full disk, a quota) stops the run with a message naming the checkpoint that is still intact."""
 
-    def __init__(self, settings, start_iter):
-        self.path = os.path.join(settings["out_dir"], "metrics.jsonl")
-        self.drop_records_after(start_iter)
+    def __init__(self, settings):
+        self.out_dir = settings["out_dir"]
+        self.ckpt_path = os.path.join(self.out_dir, "ckpt.pt")
+        self.log_path = os.path.join(self.out_dir, "metrics.jsonl")
+        self.saved_iter = None  # the iteration of the checkpoint on disk, once this run resumed or saved one
         self.wandb = None
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            self.lock = lock_folder(self.out_dir)  # before anything in out_dir is read or written
+        except FolderInUse as e:
+            raise TrainError(f"{self.out_dir} is in use by another training run (process {e.pid}); let it finish "
+                             "or stop it, or use another --out_dir") from None
+        except OSError as e:
+            raise TrainError(f"cannot use out_dir {self.out_dir} ({write_failure(e)})") from None
+        if settings["init_from"] != "resume" and os.path.exists(self.ckpt_path) and not settings["overwrite"]:
+            self.close()
+            raise TrainError(f"{self.ckpt_path} holds an earlier run, which a run from {settings['init_from']} would "
+                             "replace; continue it with --init_from=resume, train into another --out_dir, or replace "
+                             "it with --overwrite")
+
+    def start(self, settings, checkpoint):
+        """A resumed run continues the log from its checkpoint; any other starts afresh, removing what an
+        earlier run left (a checkpoint only with overwrite=True: the constructor refused it otherwise)."""
+        if checkpoint is not None:
+            self.saved_iter = checkpoint["iter_num"]
+            self.keep_records_until(checkpoint["iter_num"])
+        else:
+            if os.path.exists(self.ckpt_path):
+                print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
+            for path in (self.ckpt_path, self.log_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
         if settings["wandb_log"]:
             import wandb  # only needed when asked for
 
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
-                       dir=settings["out_dir"])
+                       dir=self.out_dir)
 
-    def drop_records_after(self, start_iter):
-        """A resumed run continues the log from its checkpoint: records of later iterations were made by the
-        run that was interrupted after that checkpoint, and this run makes them again. A run from scratch
-        (start_iter None) starts an empty log."""
-        if not os.path.exists(self.path):
+    def keep_records_until(self, start_iter):
+        """Records of iterations after the checkpoint were made by the run that was interrupted after it, and
+        this run makes them again. A torn last line (a crash or a full disk while it was written) is dropped."""
+        if not os.path.exists(self.log_path):
             return
-        if start_iter is None:
-            os.remove(self.path)
-            return
-        with open(self.path) as f:
-            records = [line for line in f if line.strip() and json.loads(line)["iter"] <= start_iter]
-        with open(self.path + ".tmp", "w") as f:
-            f.writelines(records)
-        os.replace(self.path + ".tmp", self.path)
+        try:
+            records, torn = read_jsonl(self.log_path)
+        except ValueError as e:
+            raise TrainError(f"{e}; repair or delete that line, then resume again") from None
+        if torn is not None:
+            print(f"{self.log_path}: dropped its torn last line ({torn.strip()[:40]!r}), left by a run that "
+                  "stopped while writing it")
+        for lineno, record in records:
+            if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
+                raise TrainError(f"{self.log_path}, line {lineno}: not a metrics record (no iter); repair or delete "
+                                 "that line, then resume again")
+        try:
+            with atomic_open(self.log_path, "w") as f:
+                f.writelines(json.dumps(record) + "\n" for _, record in records if record["iter"] <= start_iter)
+        except OSError as e:
+            raise self.write_failed(self.log_path, e) from None
 
-    def write(self, record):
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    def log(self, record):
+        try:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            raise self.write_failed(self.log_path, e) from None
         if self.wandb:
             self.wandb.log(record, step=record["iter"])
+
+    def save(self, checkpoint):
+        """Write ckpt.pt atomically, with SIGINT and SIGTERM held until it is on disk: a stop never cuts it short."""
+        with signals_deferred():
+            try:
+                save_checkpoint(self.ckpt_path, checkpoint)
+            except CheckpointError as e:
+                raise TrainError(f"{e}; {self.intact()}") from None
+        self.saved_iter = checkpoint["iter_num"]
+
+    def intact(self):
+        if self.saved_iter is None:
+            return "this run has saved no checkpoint yet"
+        return (f"{self.ckpt_path} still holds the checkpoint of iter {self.saved_iter}: continue from it with "
+                "--init_from=resume")
+
+    def write_failed(self, path, error):
+        return TrainError(f"could not write {path} ({write_failure(error)}); {self.intact()}")
 
     def close(self):
         if self.wandb:
             self.wandb.finish()
+        self.lock.close()  # releases the lock
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM that arrive inside the block are delivered at its end, a second Ctrl-C included."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def peak_flops(settings, device_type):
@@ -241,6 +317,18 @@ def peak_flops(settings, device_type):
 
 def main(argv):
     settings = configure(DEFAULTS, argv)
+    init_from = settings["init_from"]
+    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
+        raise TrainError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
+    run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None  # only rank 0 writes
+    try:
+        train(settings, run_dir)
+    finally:
+        if run_dir:
+            run_dir.close()
+
+
+def train(settings, run_dir):
     rank, world_size, device = setup_distributed(settings)
     master = rank == 0  # only it prints, logs and saves
     device_type = device.split(":")[0]
@@ -255,8 +343,6 @@ def main(argv):
     out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     init_from = settings["init_from"]
-    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
-        raise TrainError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
     checkpoint = load_checkpoint(ckpt_path) if init_from == "resume" else None
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     pretrained = load_pretrained(init_from[3:], meta) if init_from.startswith("hf:") else None
@@ -293,8 +379,8 @@ def main(argv):
     if world_size > 1:
         model = DDP(model, device_ids=[int(device.split(":")[1])] if device_type == "cuda" else None)
 
-    os.makedirs(out_dir, exist_ok=True)
-    log = MetricsLog(settings, iter_num if checkpoint else None) if master else None
+    if master:
+        run_dir.start(settings, checkpoint)
     stop_signal = []  # set by SIGINT/SIGTERM; the loop saves a checkpoint and stops at the next iteration
 
     def request_stop(signum, frame):
@@ -336,17 +422,17 @@ def main(argv):
         if (iter_num % settings["eval_interval"] == 0 or stopping and not stop_signal) and not evaluated_before_checkpoint:
             losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
             check_finite(losses["val"], iter_num, ckpt_path)
-            time_at_log = time.perf_counter()  # keep evaluation out of the ms/iter figures
             if master:
                 say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log.write(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start, train_loss=losses["train"], val_loss=losses["val"]))
+                run_dir.log(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start, train_loss=losses["train"], val_loss=losses["val"]))
                 if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:
                     best_val_loss = min(best_val_loss, losses["val"])
                     if iter_num > 0:
-                        save_checkpoint(ckpt_path, checkpoint_now())
+                        run_dir.save(checkpoint_now())
+            time_at_log = time.perf_counter()  # keep evaluation and checkpoint writes out of the ms/iter figures
         if stopping:
             if stop_signal and master:
-                save_checkpoint(ckpt_path, checkpoint_now())
+                run_dir.save(checkpoint_now())
                 say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, "
                     "continue with --init_from=resume")
             break
@@ -393,7 +479,7 @@ def main(argv):
             if peak:
                 record["mfu"] = raw_model.estimate_mfu(record["tokens_per_sec"], peak * world_size, settings["block_size"])
             if master:
-                log.write(record)
+                run_dir.log(record)
                 figures = f"loss {mean_loss:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, " \
                           f"{ms_per_iter:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s" + \
                           (f", MFU {100 * record['mfu']:.1f}%" if peak else "")
@@ -406,8 +492,6 @@ def main(argv):
 
     if progress_bar:
         progress_bar.close()
-    if master:
-        log.close()
     if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
         dist.destroy_process_group()

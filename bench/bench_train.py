@@ -6,7 +6,7 @@
 Prints the machine, the median ms/iter and tokens/s, every evaluation (iteration, wall-clock seconds, train
 and val loss) and when val loss first reached --target (1.80: the goal of config/small.py). Other --key=value
 arguments go to train.py. The run trains from scratch in --out_dir (default out-bench rather than the config's
-own, so no real run is overwritten), replacing what an earlier run left there.
+own, so no real run is overwritten), replacing what an earlier run left there (--overwrite).
 """
 
 import argparse
@@ -69,7 +69,7 @@ def main():
     args, overrides = parser.parse_known_args()
     config = os.path.abspath(args.config) if args.config else os.path.join(ROOT, "config", "small.py")
     out_dir = os.path.abspath(args.out_dir)  # both absolute: train.py runs in the repo root
-    train_argv = [config, *overrides, f"--out_dir={out_dir}", "--init_from=scratch"]
+    train_argv = [config, *overrides, f"--out_dir={out_dir}", "--init_from=scratch", "--overwrite"]
     try:
         # bad overrides and missing data fail now, with train.py's one-line messages, not after its startup
         settings = configure(DEFAULTS, [args.config or config, *train_argv[1:]])
@@ -77,8 +77,6 @@ def main():
             find_shards(os.path.join(ROOT, "data", settings["dataset"]), split)  # names the prepare command
     except (ConfigError, DataError) as e:
         sys.exit(f"error: {e}")
-    if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):  # from scratch, train.py would keep its iter-0 record
-        os.remove(os.path.join(out_dir, "metrics.jsonl"))
 
     print(machine())
     print(f"run: train.py {' '.join([os.path.relpath(config, ROOT), *overrides])} --out_dir={args.out_dir}", flush=True)

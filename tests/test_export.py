@@ -480,6 +480,6 @@ def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_pat
     os.chdir(char_data)
     try:
         with pytest.raises(train.TrainError, match="another tokenizer"):
-            train.main(argv)
+            train.main(argv + ["--overwrite"])  # over the run above
     finally:
         os.chdir(cwd)

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -178,13 +179,6 @@ def test_val_loss_goes_down(trained):
     assert len(train_losses) == 30 and all(math.isfinite(x) for x in train_losses)
 
 
-def test_a_run_from_scratch_starts_a_fresh_log(workdir, tmp_path):
-    out_dir = str(tmp_path)
-    train_main(workdir, out_dir, "--max_iters=3", "--eval_interval=2")
-    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2")
-    assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Exact resume, signals, divergence
 
@@ -228,16 +222,24 @@ def in_background(command, cwd, log_path):
             proc.wait()
 
 
-def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_path):
+@contextlib.contextmanager
+def endless_run(workdir, tmp_path):
+    """A train.py process in the background, running until stopped, that has logged 3 training records: it has
+    installed its signal handlers and holds out_dir's lock. Yields (process, command, out_dir, log_path)."""
     out_dir, log_path = str(tmp_path / "out"), str(tmp_path / "output.txt")
-    metrics = os.path.join(out_dir, "metrics.jsonl")
     command = [sys.executable, TRAIN, *TINY, f"--out_dir={out_dir}", "--max_iters=1000000", "--eval_interval=1000000"]
     with in_background(command, workdir, log_path) as proc:
         deadline = time.monotonic() + 120
-        while len(logged_iterations(metrics)) < 3:  # handlers are installed before the first record
+        while len(logged_iterations(os.path.join(out_dir, "metrics.jsonl"))) < 3:
             assert proc.poll() is None, open(log_path).read()
             assert time.monotonic() < deadline, "no training iterations logged"
             time.sleep(0.05)
+        yield proc, command, out_dir, log_path
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_path):
+    with endless_run(workdir, tmp_path) as (proc, _, out_dir, log_path):
+        metrics = os.path.join(out_dir, "metrics.jsonl")
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     with open(log_path) as f:
@@ -302,6 +304,161 @@ def test_nan_loss_before_any_checkpoint_says_none_was_saved(workdir, tmp_path, m
     message = str(e.value)
     assert "loss is nan at iter 1" in message and "no checkpoint was saved" in message, message
     assert not os.path.exists(os.path.join(out_dir, "ckpt.pt"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# No run lost: a full disk, a second run, a run from scratch over a finished one, a torn log line, a stop
+# during a checkpoint write. Each fault is really injected: a file size limit (RLIMIT_FSIZE) makes the
+# kernel refuse the write, processes really run side by side and really get signals.
+
+
+def file_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_a_run_from_scratch_over_a_run_is_refused_and_overwrite_replaces_it(workdir, tmp_path):
+    out_dir = str(tmp_path)
+    train_main(workdir, out_dir, "--max_iters=3", "--eval_interval=2")
+    ckpt, log = file_bytes(os.path.join(out_dir, "ckpt.pt")), file_bytes(os.path.join(out_dir, "metrics.jsonl"))
+    for init_from in ("scratch", "hf:folder"):  # hf: is checked before the folder is read: nothing is loaded
+        with pytest.raises(train.TrainError) as e:
+            train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2", f"--init_from={init_from}")
+        message = str(e.value)
+        assert "\n" not in message and os.path.join(out_dir, "ckpt.pt") in message, message
+        assert all(way in message for way in ("--init_from=resume", "another --out_dir", "--overwrite")), message
+    assert file_bytes(os.path.join(out_dir, "ckpt.pt")) == ckpt  # untouched: still loads, still iteration 3
+    assert file_bytes(os.path.join(out_dir, "metrics.jsonl")) == log and load_ckpt(out_dir)["iter_num"] == 3
+
+    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2", "--overwrite")
+    assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2]  # a fresh log
+    assert load_ckpt(out_dir)["iter_num"] == 2
+
+
+def run_limited(command, cwd, max_file_bytes):
+    """Run command with files it writes limited to max_file_bytes: past that, the kernel refuses the write
+    (EFBIG, "File too large"), what a full disk or a quota does (ENOSPC, EDQUOT)."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+
+    return subprocess.run(command, cwd=cwd, preexec_fn=limit, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+@pytest.mark.parametrize("failing", ["ckpt.pt", "metrics.jsonl"])
+def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(workdir, tmp_path, failing, capsys):
+    out_dir = str(tmp_path)
+    ckpt_path, log_path = os.path.join(out_dir, "ckpt.pt"), os.path.join(out_dir, "metrics.jsonl")
+    args = ["--eval_interval=2", "--dropout=0.1", "--lr_decay_iters=8"]
+    train_main(workdir, out_dir, *args, "--max_iters=4")
+    saved = file_bytes(ckpt_path)
+    # The resumed run writes its log records of iterations 5, 6 and its checkpoint at 6: with room for the
+    # log only, the checkpoint write fails; with room for less than one more record, a log append fails.
+    room = len(saved) // 2 if failing == "ckpt.pt" else os.path.getsize(log_path) + 40
+    result = run_limited([sys.executable, TRAIN, *TINY, f"--out_dir={out_dir}", *args, "--max_iters=8",
+                          "--init_from=resume"], workdir, room)
+    line = assert_one_line_error(result, "could not write", f"{os.path.join(out_dir, failing)} (File too large)",
+                                 f"{ckpt_path} still holds the checkpoint of iter 4", "--init_from=resume")
+    assert not glob.glob(os.path.join(out_dir, "*.tmp")), line
+    assert file_bytes(ckpt_path) == saved and load_ckpt(out_dir)["iter_num"] == 4
+
+    # once there is room again, the resume the message names works and gives the uninterrupted run's log
+    capsys.readouterr()
+    train_main(workdir, out_dir, *args, "--max_iters=8", "--init_from=resume")
+    dropped = "dropped its torn last line" in capsys.readouterr().out
+    assert dropped == (failing == "metrics.jsonl")  # the append that failed left part of a line
+    train_main(workdir, str(tmp_path / "whole"), *args, "--max_iters=8")
+    assert without_times(records(out_dir)) == without_times(records(str(tmp_path / "whole")))
+
+
+def test_a_torn_last_log_line_is_dropped_on_resume_and_a_torn_middle_line_is_an_error(workdir, tmp_path, capsys):
+    out_dir = str(tmp_path)
+    log_path = os.path.join(out_dir, "metrics.jsonl")
+    train_main(workdir, out_dir, "--max_iters=4", "--eval_interval=2")
+    lines = open(log_path).readlines()
+    with open(log_path, "a") as f:
+        f.write('{"iter": 5, "time": 0.1, "lo')  # what a power cut leaves: part of a line, no newline
+    capsys.readouterr()
+    train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    output = capsys.readouterr().out
+    assert f"{log_path}: dropped its torn last line" in output and output.count("dropped") == 1, output
+    assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2, 3, 4, 4, 5, 6, 6]  # continued, each once
+    assert open(log_path).readlines()[:len(lines)] == lines
+
+    torn = open(log_path).readlines()
+    torn[3] = torn[3][:20] + "\n"  # a torn line with complete lines after it: not a crash's trace
+    with open(log_path, "w") as f:
+        f.writelines(torn)
+    with pytest.raises(train.TrainError) as e:
+        train_main(workdir, out_dir, "--max_iters=8", "--eval_interval=2", "--init_from=resume")
+    message = str(e.value)
+    assert "\n" not in message and f"{log_path}, line 4: not valid JSON" in message, message
+    assert open(log_path).readlines() == torn and load_ckpt(out_dir)["iter_num"] == 6
+
+
+def test_a_second_run_on_the_same_out_dir_exits_at_once_and_the_first_is_untouched(workdir, tmp_path):
+    with endless_run(workdir, tmp_path) as (first, command, out_dir, log_path):
+        start = time.monotonic()
+        second = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        seconds = time.monotonic() - start
+        assert_one_line_error(second, f"{out_dir} is in use by another training run (process {first.pid})")
+        assert seconds < 30 and first.poll() is None  # it did not wait for the first; the first runs on
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+    assert first.returncode == 0, open(log_path).read()
+    stopped_at = load_ckpt(out_dir)["iter_num"]
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    assert logged_iterations(metrics) == list(range(1, stopped_at + 1))  # one run's records, each once
+
+
+def test_a_lock_left_by_a_killed_run_does_not_block_the_next(workdir, tmp_path):
+    with endless_run(workdir, tmp_path) as (proc, _, out_dir, _):
+        proc.kill()  # SIGKILL: no handler runs, the lock file stays behind
+        proc.wait()
+    assert open(os.path.join(out_dir, "lock")).read() == str(proc.pid)
+    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2")  # no checkpoint was saved: a fresh run
+    assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2]
+
+
+SLOW_SAVE = """
+import os, runpy, sys, time, torch
+real_save, marker = torch.save, sys.argv[1]
+
+def slow_save(obj, f):  # a checkpoint write that takes 2 s after its data is written, before the rename
+    real_save(obj, f)
+    open(marker, "w").close()
+    time.sleep(2)
+
+torch.save = slow_save
+train_py, sys.argv = sys.argv[2], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(train_py))
+runpy.run_path(train_py, run_name="__main__")
+"""
+
+
+def test_signals_during_a_checkpoint_write_wait_for_it(workdir, tmp_path):
+    out_dir, log_path, marker = str(tmp_path / "out"), str(tmp_path / "output.txt"), str(tmp_path / "writing")
+    (tmp_path / "slow_save.py").write_text(SLOW_SAVE)
+    command = [sys.executable, str(tmp_path / "slow_save.py"), marker, TRAIN, *TINY, f"--out_dir={out_dir}",
+               "--max_iters=1000000", "--eval_interval=3"]
+
+    def wait_for_write():
+        deadline = time.monotonic() + 120
+        while not os.path.exists(marker):
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()
+            time.sleep(0.02)
+        os.remove(marker)
+
+    with in_background(command, workdir, log_path) as proc:
+        wait_for_write()  # the checkpoint of iteration 3 is being written
+        proc.send_signal(signal.SIGTERM)  # asks the run to stop: it finishes this write, saves iteration 4, stops
+        wait_for_write()  # the checkpoint of iteration 4 is being written
+        proc.send_signal(signal.SIGTERM)  # a second signal ends the process, but only once the write is done
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, open(log_path).read()
+    assert load_ckpt(out_dir)["iter_num"] == 4  # complete and the newest: the write was not cut short
+    assert not os.path.exists(os.path.join(out_dir, "ckpt.pt.tmp"))
 
 
 # ----------------------------------------------------------------------------------------------------
