@@ -61,6 +61,20 @@ class Tokenizer:
             return "".join(self.chars[i] for i in ids)
         return self.enc.decode(ids)
 
+    def byte_lengths(self):
+        """The UTF-8 length in bytes of each token id's text (special tokens such as end-of-text: 0), the unit
+        of bits per byte, which compares models whatever their tokenizer."""
+        if self.meta["tokenizer"] == "char":
+            return [len(c.encode()) for c in self.chars]
+        special = set(self.enc._special_tokens.values())
+        lengths = []
+        for token in range(self.vocab_size):
+            try:
+                lengths.append(0 if token in special else len(self.enc.decode_single_token_bytes(token)))
+            except KeyError:  # an id with no token
+                lengths.append(0)
+        return lengths
+
     def decoder(self):
         """A function from one token to its text, for streaming. BPE tokens are bytes, and a character may
         be split across tokens: the incremental UTF-8 decoder holds such a part back until it is whole."""

@@ -30,6 +30,7 @@ from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 from model import GPT, GPTConfig
+from tokenizer import Tokenizer
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
 # vocab_size 0 means the dataset's, rounded up to a multiple of 64.
@@ -41,6 +42,9 @@ DEFAULTS = dict(
     out_dir="out",
     eval_interval=250,  # evaluate (and checkpoint) every this many iterations
     eval_iters=50,  # batches per split in each evaluation
+    eval_tasks="",  # lm-eval tasks run at each evaluation too, e.g. "hellaswag" (comma-separated; needs lm-eval)
+    eval_tasks_limit=None,  # at most this many examples per task (None: all)
+    eval_tasks_include_path="",  # a folder of lm-eval task YAML files (tasks of your own, offline copies)
     log_interval=10,
     always_save_checkpoint=True,  # else only when val loss improves
     init_from="scratch",  # "scratch", "resume" (from out_dir/ckpt.pt) or "hf:path" (a Llama/Qwen3 folder to fine-tune)
@@ -304,6 +308,37 @@ def signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
+def task_runner(settings, meta):
+    """None without eval_tasks; else a function from the model to {"task/metric": value} of those lm-eval
+    tasks. Task names are checked now, not at the first evaluation. Every process runs the tasks on its own
+    unwrapped model (no collective that could hang or time out while rank 0 alone evaluates); rank 0 logs."""
+    names = [t.strip() for t in settings["eval_tasks"].split(",") if t.strip()]
+    if not names:
+        return None
+    try:
+        import harness  # lm-eval is optional: only tasks need it
+    except ImportError:
+        raise TrainError("eval_tasks needs lm-eval, which is not installed; install it with: pip install lm-eval") from None
+    tokenizer = Tokenizer(meta)
+    try:
+        manager = harness.task_manager(names, settings["eval_tasks_include_path"] or None)
+        harness.check_tasks(names, manager, settings["eval_tasks_include_path"] or None)
+    except harness.HarnessError as e:
+        raise TrainError(f"eval_tasks: {e}") from None
+
+    def run(model):
+        try:
+            results = harness.run_tasks(model, tokenizer, names, limit=settings["eval_tasks_limit"],
+                                        batch_size=settings["batch_size"], manager=manager)
+        except harness.HarnessError as e:
+            raise TrainError(f"eval_tasks: {e}") from None
+        finally:
+            model.train()  # the harness put it in eval mode
+        return harness.task_figures(results) if results else {}  # lm-eval returns None where LOCAL_RANK > 0
+
+    return run
+
+
 def peak_flops(settings, device_type):
     if settings["peak_flops"] or device_type != "cuda":
         return settings["peak_flops"] or None
@@ -348,6 +383,7 @@ def train(settings, run_dir):
     pretrained = load_pretrained(init_from[3:], meta) if init_from.startswith("hf:") else None
     config = model_config(settings, meta, checkpoint, pretrained)
     check_vocab(data_dir, config.vocab_size)
+    tasks = task_runner(settings, meta)
     if settings["block_size"] > config.block_size:
         raise TrainError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
 
@@ -422,9 +458,13 @@ def train(settings, run_dir):
         if (iter_num % settings["eval_interval"] == 0 or stopping and not stop_signal) and not evaluated_before_checkpoint:
             losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
             check_finite(losses["val"], iter_num, ckpt_path)
+            with autocast:
+                task_scores = tasks(raw_model) if tasks else {}  # every rank: see task_runner
             if master:
-                say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                run_dir.log(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start, train_loss=losses["train"], val_loss=losses["val"]))
+                say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}" +
+                    "".join(f", {name} {value:.4f}" for name, value in task_scores.items()))
+                run_dir.log(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start,
+                                 train_loss=losses["train"], val_loss=losses["val"], **task_scores))
                 if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:
                     best_val_loss = min(best_val_loss, losses["val"])
                     if iter_num > 0:

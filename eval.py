@@ -1,0 +1,194 @@
+"""
+Evaluate a trained model: its loss and bits per byte on the val split or any text, and standard benchmarks
+through EleutherAI's lm-evaluation-harness:
+
+    python eval.py --out_dir=out-small                       # the val split it was trained on
+    python eval.py --out_dir=out-small --text=FILE           # any UTF-8 text file
+    python eval.py --init_from=hf:hf-folder --text=FILE      # a Hugging Face Llama/Qwen3 folder (export.py)
+    python eval.py --out_dir=out-gpt2-124m --tasks=hellaswag,arc_easy --limit=500   # needs lm-eval
+    python eval.py --out_dir=... --tasks=my_task --include_path=tasks/   # task YAML files of your own
+
+Bits per byte is the total loss in bits over the UTF-8 bytes of the text the predicted tokens stand for
+(end-of-text: 0 bytes): unlike the loss per token, it compares a character model with a BPE model, and
+with published models. Texts longer than block_size are scored with a sliding window (stride tokens a
+step, default block_size // 2), so every token is predicted with at least block_size - stride tokens of
+context. --out_json=FILE writes the figures (or lm-eval's full results) as JSON.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, load_model, model_from_checkpoint, resolve_device, resolve_dtype
+from configurator import ConfigError, configure
+from data.shards import DataError, find_shards, read_shard
+from engine import token_logprobs
+from files import atomic_open, write_failure
+from tokenizer import Tokenizer, TokenizerError
+
+DEFAULTS = dict(
+    out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
+    init_from="resume",  # "resume": the checkpoint in out_dir; "hf:path": a Llama/Qwen3 folder (see export.py)
+    dataset="",  # whose val split to score (data/<dataset>); "": the one the checkpoint was trained on
+    text="",  # a UTF-8 text file to score instead of the val split
+    max_tokens=1_000_000,  # score at most this many tokens of the val split (its first ones)
+    stride=0,  # the sliding window's step in tokens; 0: block_size // 2
+    batch_size=8,  # windows (bits per byte) or requests (tasks) per forward pass
+    tasks="",  # comma-separated lm-eval tasks, e.g. "hellaswag,arc_easy,lambada_openai,piqa"
+    limit=None,  # at most this many examples per task (None: all)
+    num_fewshot=None,  # examples shown before each question (None: the task's default)
+    include_path="",  # a folder of lm-eval task YAML files (local tasks, or offline copies)
+    out_json="",  # also write the results to this JSON file
+    device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
+    dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
+)
+LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
+
+
+class EvalError(Exception):
+    """A problem the user can fix; the message is one line saying what to do."""
+
+
+def load(settings, device, dtype):
+    """(model, tokenizer meta, the dataset it was trained on: a checkpoint's, None for a Hugging Face folder)."""
+    if settings["init_from"].startswith("hf:"):
+        return *load_model(settings["init_from"], device, dtype), None
+    if settings["init_from"] != "resume":
+        raise EvalError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
+    source = settings["out_dir"]
+    path = source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
+    checkpoint = load_checkpoint(path)
+    model, meta = model_from_checkpoint(checkpoint, path)
+    return model.to(device=device, dtype=dtype).eval(), meta, checkpoint.get("settings", {}).get("dataset")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loss and bits per byte
+
+
+def bits_per_byte(model, tokens, byte_lengths, stride=0, batch_size=8):
+    """Loss (nats per token) and bits per byte of tokens[1:], each predicted from the tokens before it."""
+    logprobs = token_logprobs(model, tokens, stride or None, batch_size)  # (N - 1,)
+    nats = -logprobs.double().sum().item()
+    n_bytes = int(np.asarray(byte_lengths)[np.asarray(tokens[1:], dtype=np.int64)].sum())
+    return dict(tokens=len(logprobs), bytes=n_bytes, loss=nats / max(1, len(logprobs)),
+                bits_per_byte=nats / math.log(2) / max(1, n_bytes))
+
+
+def text_tokens(path, tokenizer):
+    """The tokens of a text file, after the end-of-text token when the tokenizer has one (so that every
+    token of the text is predicted; a character model predicts all but the first)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise EvalError(f"cannot read --text {path}: {reason}") from None
+    try:
+        tokens = tokenizer.encode(text)
+    except TokenizerError as e:
+        raise EvalError(f"--text {path} has {e}") from None
+    tokens = ([tokenizer.eot] if tokenizer.eot is not None else []) + tokens
+    if len(tokens) < 2:
+        raise EvalError(f"--text {path} is empty or too short: it needs at least two tokens to predict one")
+    return tokens
+
+
+def val_tokens(dataset, max_tokens):
+    """The first max_tokens + 1 tokens of data/<dataset>'s val shards."""
+    tokens, needed = [], max_tokens + 1
+    for path in find_shards(os.path.join("data", dataset), "val"):
+        tokens.append(np.asarray(read_shard(path)[:needed - sum(map(len, tokens))], dtype=np.int64))
+        if sum(map(len, tokens)) >= needed:
+            break
+    return np.concatenate(tokens).tolist()
+
+
+def score_text(settings, model, tokenizer, dataset):
+    """The figures for --text, or else the val split."""
+    if settings["text"]:
+        tokens, source = text_tokens(settings["text"], tokenizer), settings["text"]
+    else:
+        dataset = settings["dataset"] or dataset
+        if not dataset:
+            raise EvalError("which text? pass --text=FILE, or --dataset=NAME for data/NAME's val split "
+                            "(a Hugging Face folder has no dataset of its own)")
+        tokens, source = val_tokens(dataset, settings["max_tokens"]), f"data/{dataset} val split"
+    figures = bits_per_byte(model, tokens, tokenizer.byte_lengths(), settings["stride"], settings["batch_size"])
+    return dict(source=source, **figures, block_size=model.config.block_size,
+                stride=settings["stride"] or max(1, model.config.block_size // 2))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmarks through lm-evaluation-harness
+
+
+def run_tasks(settings, model, tokenizer):
+    """lm-eval's results for --tasks, after its table is printed."""
+    try:
+        import harness  # lm-eval is optional: only tasks need it
+        from lm_eval.utils import make_table
+    except ImportError:
+        raise EvalError(LM_EVAL_MISSING) from None
+    tasks = [t.strip() for t in settings["tasks"].split(",") if t.strip()]
+    try:
+        results = harness.run_tasks(model, tokenizer, tasks, limit=settings["limit"],
+                                    num_fewshot=settings["num_fewshot"], batch_size=settings["batch_size"],
+                                    include_path=settings["include_path"] or None)
+    except harness.HarnessError as e:
+        raise EvalError(str(e)) from None
+    print(make_table(results))
+    return results
+
+
+def check_settings(settings):
+    for key in ("max_tokens", "batch_size"):
+        if not isinstance(settings[key], int) or settings[key] < 1:
+            raise EvalError(f"{key} must be a positive integer, got {settings[key]!r}")
+    if settings["stride"] < 0:
+        raise EvalError(f"stride must be at least 1 (or 0 for block_size // 2), got {settings['stride']}")
+    if settings["limit"] is not None and (not isinstance(settings["limit"], (int, float)) or settings["limit"] <= 0):
+        raise EvalError(f"limit must be a positive number of examples, got {settings['limit']!r}")
+    if settings["num_fewshot"] is not None and (not isinstance(settings["num_fewshot"], int) or settings["num_fewshot"] < 0):
+        raise EvalError(f"num_fewshot must be 0 or more, got {settings['num_fewshot']!r}")
+
+
+def write_json(path, results):
+    try:
+        with atomic_open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)  # lm-eval's results hold a few non-JSON values
+    except OSError as e:
+        raise EvalError(f"cannot write {path}: {write_failure(e)}") from None
+
+
+def main(argv):
+    settings = configure(DEFAULTS, argv)
+    check_settings(settings)
+    if settings["tasks"]:
+        try:
+            import lm_eval  # noqa: F401  # say so before a long model load
+        except ImportError:
+            raise EvalError(LM_EVAL_MISSING) from None
+    device = resolve_device(settings["device"])
+    model, meta, dataset = load(settings, device, resolve_dtype(settings["dtype"], device))
+    tokenizer = Tokenizer(meta)
+    results = {}
+    if settings["text"] or not settings["tasks"]:
+        results["text"] = figures = score_text(settings, model, tokenizer, dataset)
+        print(f"{figures['source']}: {figures['tokens']:,} tokens predicted, {figures['bytes']:,} bytes; "
+              f"loss {figures['loss']:.4f} nats/token, {figures['bits_per_byte']:.4f} bits per byte")
+    if settings["tasks"]:
+        results["tasks"] = run_tasks(settings, model, tokenizer)
+    if settings["out_json"]:
+        write_json(settings["out_json"], results)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, EvalError, CheckpointError, DataError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,237 @@
+"""Tests for eval.py: bits per byte by hand (a character model, a BPE model with multi-byte characters), the
+sliding window where the text fits one block (test_harness.py checks it token by token past that), the command
+line and its one-line errors, and lm-eval tasks run during training."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval as evaluate
+import train
+from data.shakespeare import prepare as prepare_bpe
+from model import GPT, GPTConfig
+from tokenizer import GPT2_META, Tokenizer, char_meta
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
+ACCENTED = "naïve café ☕ — ünïcödé, and plain ASCII too."  # 1, 2 and 3-byte UTF-8 characters
+
+
+def random_model(vocab_size, block_size=64, seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, **TINY)).eval()
+
+
+def nats_by_hand(model, tokens):
+    """-sum log p(tokens[i] | tokens[:i]) over i >= 1, from one forward pass over the whole sequence."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens[:-1]]))[0][0]
+    return F.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="sum").item()
+
+
+def test_bits_per_byte_of_a_character_model_by_hand():
+    text = "First Citizen: Before we proceed any further, hear me speak."  # ASCII: a character is a byte
+    tokenizer = Tokenizer(char_meta(text))
+    model = random_model(64)
+    tokens = tokenizer.encode(text)
+    figures = evaluate.bits_per_byte(model, tokens, tokenizer.byte_lengths())
+    assert figures["tokens"] == figures["bytes"] == len(text) - 1  # the first character is not predicted
+    nats = nats_by_hand(model, tokens)
+    assert figures["loss"] == pytest.approx(nats / (len(text) - 1), rel=1e-5)
+    assert figures["bits_per_byte"] == pytest.approx(nats / math.log(2) / (len(text) - 1), rel=1e-5)
+
+
+def test_bits_per_byte_of_a_bpe_model_counts_utf8_bytes(tmp_path):
+    tokenizer = Tokenizer(GPT2_META)
+    model = random_model(50304)
+    path = tmp_path / "text.txt"
+    path.write_text(ACCENTED, encoding="utf-8")
+    tokens = evaluate.text_tokens(str(path), tokenizer)
+    assert tokens[0] == GPT2_META["eot_token"] and len(tokens) - 1 < len(ACCENTED.encode())  # tokens span bytes
+    figures = evaluate.bits_per_byte(model, tokens, tokenizer.byte_lengths())
+    n_bytes = len(ACCENTED.encode("utf-8"))
+    assert n_bytes > len(ACCENTED) and figures["bytes"] == n_bytes  # every byte of the text
+    assert figures["bits_per_byte"] == pytest.approx(nats_by_hand(model, tokens) / math.log(2) / n_bytes, rel=1e-5)
+    two_documents = tokens + tokens  # an end-of-text token inside, as in a val shard: it has no bytes
+    assert evaluate.bits_per_byte(model, two_documents, tokenizer.byte_lengths())["bytes"] == 2 * n_bytes
+
+
+@pytest.mark.parametrize("stride", [1, 7, 32, 63])
+def test_sliding_window_equals_full_context_when_the_text_fits_one_block(stride):
+    tokenizer = Tokenizer(GPT2_META)
+    model = random_model(50304, block_size=64)
+    tokens = [tokenizer.eot] + tokenizer.encode(ACCENTED)
+    assert len(tokens) <= 65
+    figures = evaluate.bits_per_byte(model, tokens, tokenizer.byte_lengths(), stride=stride, batch_size=3)
+    assert figures["loss"] * figures["tokens"] == pytest.approx(nats_by_hand(model, tokens), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory):
+    """A working directory with data/shakespeare (GPT-2 BPE) and a tiny model trained on it for 4 iterations
+    in out/, evaluated (and checkpointed) at iteration 4."""
+    work = tmp_path_factory.mktemp("work")
+    prepare_bpe.main(["--out_dir", str(work / "data" / "shakespeare")])
+    cwd = os.getcwd()
+    os.chdir(work)
+    try:
+        train.main(["--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
+                    "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--eval_interval=4",
+                    "--device=cpu", "--compile=False", "--out_dir=out"])
+    finally:
+        os.chdir(cwd)
+    return work
+
+
+def run_eval(cwd, *args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_val_split_figures_go_to_stdout_and_json(bpe_run):
+    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=500", "--out_json=figures.json")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads((bpe_run / "figures.json").read_text())["text"]
+    assert figures["source"] == "data/shakespeare val split" and figures["tokens"] == 500
+    assert f"{figures['bits_per_byte']:.4f} bits per byte" in result.stdout
+    # the same figure by hand: the model of the checkpoint on the first 501 val tokens, in windows of 32 + 1
+    from checkpoint import load_model
+    from data.shards import find_shards, read_shard
+
+    model, meta = load_model(str(bpe_run / "out"))
+    tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:501]]
+    lengths = Tokenizer(meta).byte_lengths()
+    assert figures["bytes"] == sum(lengths[t] for t in tokens[1:])
+    nats = nats_by_hand(model, tokens[:33])  # the first window: full context for its 32 tokens
+    first_32 = evaluate.bits_per_byte(model, tokens[:33], lengths)
+    assert first_32["loss"] * 32 == pytest.approx(nats, rel=1e-5)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--out_dir=nowhere"], "no checkpoint at nowhere"),
+    (["--out_dir=out", "--text=missing.txt"], "cannot read --text missing.txt"),
+    (["--out_dir=out", "--text=empty.txt"], "--text empty.txt is empty"),
+    (["--out_dir=out", "--tasks=hellaswag", "--limit=0"], "limit must be a positive"),
+    (["--out_dir=out", "--stride=-1"], "stride must be"),
+    (["--init_from=hf:nowhere"], "nowhere"),
+])
+def test_bad_input_is_a_one_line_error(bpe_run, args, needle):
+    (bpe_run / "empty.txt").write_text("")
+    result = run_eval(bpe_run, *args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+
+
+def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
+    monkeypatch.setitem(sys.modules, "harness", None)
+    monkeypatch.chdir(bpe_run)
+    with pytest.raises(evaluate.EvalError, match="pip install lm-eval"):
+        evaluate.main(["--out_dir=out", "--tasks=hellaswag"])
+    with pytest.raises(train.TrainError, match="pip install lm-eval"):
+        train.main(["--dataset=shakespeare", "--out_dir=out2", "--eval_tasks=hellaswag", "--device=cpu"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# lm-eval tasks during training
+
+
+MC_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_target: label
+doc_to_choice: choices
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+ROLLING_TASK = """task: tiny_text
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+"""
+
+
+def write_local_tasks(folder):
+    """tiny_choice (multiple choice) and tiny_text (rolling log-likelihood), as YAML and JSONL files in folder."""
+    questions = [("The king said", [" yes", " no", " Rome"], 0), ("My lord,", [" I", " thee", " we"], 1),
+                 ("To be, or not to", [" be", " go", " sing"], 0), ("Good", [" night", " morrow", " day"], 2)]
+    with open(folder / "choice.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(question=q, choices=c, label=a)) + "\n" for q, c, a in questions)
+    (folder / "choice.yaml").write_text(MC_TASK.format(data=folder / "choice.jsonl"))
+    with open(folder / "text.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(text=t)) + "\n" for t in ["Now is the winter of our discontent", ACCENTED])
+    (folder / "text.yaml").write_text(ROLLING_TASK.format(data=folder / "text.jsonl"))
+
+
+def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path):
+    pytest.importorskip("lm_eval")
+    import harness
+
+    write_local_tasks(tmp_path)
+    out_dir = tmp_path / "run"
+    cwd = os.getcwd()
+    os.chdir(bpe_run)
+    try:
+        train.main(["--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
+                    "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--eval_interval=2",
+                    "--device=cpu", "--compile=False", f"--out_dir={out_dir}", "--eval_tasks=tiny_choice,tiny_text",
+                    f"--eval_tasks_include_path={tmp_path}"])
+    finally:
+        os.chdir(cwd)
+    evals = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "val_loss" in line]
+    assert [r["iter"] for r in evals] == [0, 2, 4]
+    assert all("tiny_choice/acc" in r and "tiny_text/bits_per_byte" in r for r in evals)
+    assert evals[0]["tiny_text/bits_per_byte"] != evals[-1]["tiny_text/bits_per_byte"]  # the model trained
+    # the figures logged at iteration 4 are the checkpoint's (saved at 4), scored again here
+    from checkpoint import load_model
+
+    model, meta = load_model(str(out_dir))
+    again = harness.run_tasks(model, Tokenizer(meta), ["tiny_choice", "tiny_text"], include_path=str(tmp_path))
+    assert evals[-1]["tiny_choice/acc"] == again["results"]["tiny_choice"]["acc,none"]
+    assert evals[-1]["tiny_text/bits_per_byte"] == pytest.approx(again["results"]["tiny_text"]["bits_per_byte,none"],
+                                                                 rel=1e-6)
+
+
+def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(bpe_run, tmp_path):
+    pytest.importorskip("lm_eval")
+    write_local_tasks(tmp_path)
+    out_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               os.path.join(ROOT, "train.py"), "--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1",
+               "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4",
+               "--eval_interval=2", "--gradient_accumulation_steps=2", "--device=cpu", f"--out_dir={out_dir}",
+               "--eval_tasks=tiny_choice,tiny_text", f"--eval_tasks_include_path={tmp_path}"]
+    result = subprocess.run(command, cwd=bpe_run, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    evals = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "val_loss" in line]
+    assert [r["iter"] for r in evals] == [0, 2, 4] and all("tiny_text/bits_per_byte" in r for r in evals)
