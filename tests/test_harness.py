@@ -2,28 +2,19 @@
 same log-likelihoods and accuracies as lm-eval's own Hugging Face backend (HFLM) on the model exported with
 export.py, log-probabilities checked by hand against the model's logits, the KV-cache and sliding-window
 scorers against direct forward passes, greedy generation against model.generate, and one-line errors.
-Everything runs on a tiny random GPT-2-BPE model in seconds; skipped where lm-eval or transformers is missing.
+Everything runs on a tiny random GPT-2-BPE model in seconds. The tests of harness.py skip where lm-eval (or, for
+the comparison, transformers) is missing, as on the GPU machine; those of the engine's scorers run everywhere.
 """
 
 import json
 
 import pytest
+import torch
 
-pytest.importorskip("lm_eval")
-pytest.importorskip("transformers")
-
-import lm_eval  # noqa: E402
-import torch  # noqa: E402
-from lm_eval.api.instance import Instance  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
-
-import harness  # noqa: E402
-from engine import continuation_logprobs, sequence_logprobs, token_logprobs  # noqa: E402
-from export import export_hf  # noqa: E402
-from harness import GPTLM, HarnessError, run_tasks  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from tokenizer import GPT2_META, Tokenizer  # noqa: E402
+from engine import continuation_logprobs, sequence_logprobs, token_logprobs
+from export import export_hf
+from model import GPT, GPTConfig
+from tokenizer import GPT2_META, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -57,6 +48,15 @@ doc_to_text: ""
 doc_to_target: "{{{{text}}}}"
 metric_list: [{{metric: bits_per_byte}}]
 """
+
+
+@pytest.fixture(scope="module")
+def harness():
+    """harness.py, which needs lm-eval."""
+    pytest.importorskip("lm_eval")
+    import harness
+
+    return harness
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +97,19 @@ def by_doc(results, task):
     return sorted(results["samples"][task], key=lambda sample: sample["doc_id"])
 
 
-def test_scores_match_lm_evals_huggingface_backend(model, tok, task_dir, tmp_path, monkeypatch):
+def test_scores_match_lm_evals_huggingface_backend(harness, model, tok, task_dir, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
     assert len(tok.encode(LONG_Q)) > BLOCK and all(len(tok.encode(d["text"])) <= BLOCK for d in ROLL_DOCS)
     export_hf(model, GPT2_META, str(tmp_path / "hf"))
     calls = []  # which scoring paths ran: both must, or the comparison misses one
     for name in ("continuation_logprobs", "sequence_logprobs"):
         real = getattr(harness, name)
         monkeypatch.setattr(harness, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
-    ours = run_tasks(model, tok, ["t_mc", "t_roll"], include_path=str(task_dir), log_samples=True)
+    ours = harness.run_tasks(model, tok, ["t_mc", "t_roll"], include_path=str(task_dir), log_samples=True)
     assert set(calls) == {"continuation_logprobs", "sequence_logprobs"}
     hf = HFLM(pretrained=str(tmp_path / "hf"), device="cpu", dtype="float32", batch_size=4)
     theirs = lm_eval.simple_evaluate(model=hf, tasks=["t_mc", "t_roll"], log_samples=True,
@@ -121,7 +126,9 @@ def test_scores_match_lm_evals_huggingface_backend(model, tok, task_dir, tmp_pat
         assert ours["results"]["t_mc"][metric] == theirs["results"]["t_mc"][metric]
 
 
-def test_loglikelihood_is_the_models_log_probability_by_hand(model, tok):
+def test_loglikelihood_is_the_models_log_probability_by_hand(harness, model, tok):
+    from lm_eval.api.instance import Instance
+
     context = "Question: what is two plus two? Answer:"
     ctx = tok.encode(context)
     first = logprobs_after(model, ctx)
@@ -136,7 +143,7 @@ def test_loglikelihood_is_the_models_log_probability_by_hand(model, tok):
     expected = [first[a1] + second[a2], first[a1] + second[other], first[other]]
     requests = [Instance(request_type="loglikelihood", doc={}, arguments=(context, tok.decode(t)), idx=0)
                 for t in choices]
-    got = GPTLM(model, tok).loglikelihood(requests)
+    got = harness.GPTLM(model, tok).loglikelihood(requests)
     assert [lp for lp, _ in got] == pytest.approx([e.item() for e in expected], abs=1e-5)
     assert [greedy for _, greedy in got] == [True, False, False]
 
@@ -178,7 +185,9 @@ def test_sliding_window_gives_each_token_the_promised_context(model, windows, st
         assert min(abs(table[j, i - j - 1] - got[i - 1]).item() for j in starts) < 1e-5, (stride, i)
 
 
-def test_generate_until_is_greedy_decoding_cut_before_the_first_stop(model, tok):
+def test_generate_until_is_greedy_decoding_cut_before_the_first_stop(harness, model, tok):
+    from lm_eval.api.instance import Instance
+
     context = "The cat sat on the"
     prompt = tok.encode(context)
     new = model.generate(torch.tensor([prompt]), 20, temperature=0)[0, len(prompt):].tolist()
@@ -188,22 +197,22 @@ def test_generate_until_is_greedy_decoding_cut_before_the_first_stop(model, tok)
     requests = [Instance(request_type="generate_until", doc={}, idx=0,
                          arguments=(context, {"until": until, "max_gen_toks": 20})) for until in ([stop], ["\x00"])]
     # lm-eval's convention (HFLM's too): the answer is the text before the stop string, the stop left out
-    assert GPTLM(model, tok).generate_until(requests) == [text[:text.index(stop)], text]
+    assert harness.GPTLM(model, tok).generate_until(requests) == [text[:text.index(stop)], text]
 
 
-def test_unknown_task_names_the_closest_tasks(model, tok, task_dir):
-    with pytest.raises(HarnessError) as error:
-        run_tasks(model, tok, ["t_rol"], include_path=str(task_dir))
+def test_unknown_task_names_the_closest_tasks(harness, model, tok, task_dir):
+    with pytest.raises(harness.HarnessError) as error:
+        harness.run_tasks(model, tok, ["t_rol"], include_path=str(task_dir))
     assert "t_roll" in str(error.value) and "\n" not in str(error.value)
 
 
-def test_missing_include_path_is_named(model, tok, tmp_path):
-    with pytest.raises(HarnessError, match="no_such_folder"):
-        run_tasks(model, tok, ["t_mc"], include_path=str(tmp_path / "no_such_folder"))
+def test_missing_include_path_is_named(harness, model, tok, tmp_path):
+    with pytest.raises(harness.HarnessError, match="no_such_folder"):
+        harness.run_tasks(model, tok, ["t_mc"], include_path=str(tmp_path / "no_such_folder"))
 
 
-def test_a_task_yaml_that_does_not_parse_is_named_in_one_line(model, tok, tmp_path):
+def test_a_task_yaml_that_does_not_parse_is_named_in_one_line(harness, model, tok, tmp_path):
     (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: json\n  doc_to_text: [oops\n")
-    with pytest.raises(HarnessError) as error:
-        run_tasks(model, tok, ["broken"], include_path=str(tmp_path))
+    with pytest.raises(harness.HarnessError) as error:
+        harness.run_tasks(model, tok, ["broken"], include_path=str(tmp_path))
     assert "broken.yaml" in str(error.value) and "\n" not in str(error.value)
