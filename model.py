@@ -168,13 +168,16 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()  # one for all heads (Qwen3)
         self.k_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
 
-    def forward(self, x, positions, kv_cache=None):  # x (B, T, C) of the tokens at Positions positions
+    def queries_and_keys(self, x, positions):  # x (B, T, C) -> q (B, nh, T, hd), k (B, n_kv, T, hd), as attended
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.head_dim))  # (B, T, nh, hd)
         k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim))  # (B, T, n_kv, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        q, k = rope(q, positions), rope(k, positions)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # heads first: (B, h, T, hd)
+        return rope(q, positions).transpose(1, 2), rope(k, positions).transpose(1, 2)  # heads first
+
+    def forward(self, x, positions, kv_cache=None):  # x (B, T, C) of the tokens at Positions positions
+        B, T, _ = x.shape
+        q, k = self.queries_and_keys(x, positions)  # attention.py draws its maps from these too
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, positions.ids)  # (B, n_kv, S, hd): the cached keys too
         y = attention(q, k, v, positions.ids, self.config, self.config.dropout if self.training else 0.0)

@@ -1,0 +1,185 @@
+"""
+See inside attention: the attention weights softmax(q k^T / sqrt(head_dim)) under the causal mask, one matrix
+per layer and head, for a prompt read by a trained model, drawn as a grid and summed up per head:
+
+    python attention.py --prompt "ROMEO: But soft, what light"               # out-small -> attention.png
+    python attention.py --out_dir=out-shakespeare-bpe --prompt FILE:prompt.txt --layers=0,3 --heads=0,1
+    python attention.py --init_from=hf:hf-folder --prompt "Hello" --json=stats.json
+
+Rows are queries, columns keys; the masked part (keys after the query, or outside a sliding window) is
+blank. Per head it prints the mean entropy of the rows (in nats; low: the head looks at few tokens) and
+the share of weight on the previous token, on the first token and on the token itself: "previous-token
+heads" and "attention sinks" can be read off the table. Query heads that share a key/value head (GQA) sit
+next to each other and are labelled with their kv head.
+
+The weights come from the model's own q and k (CausalSelfAttention.queries_and_keys, after QK-norm and RoPE)
+and its mask rule (can_attend), caught by a hook on each attention module: the forward pass itself runs
+unchanged, through SDPA, and its output is what the tests compare with these weights times v.
+"""
+
+import json
+import math
+import sys
+
+import torch
+
+from checkpoint import CheckpointError, load_model, resolve_device
+from configurator import ConfigError, configure
+from files import atomic_open, write_failure
+from model import CausalSelfAttention, can_attend
+from sample import SampleError, read_prompt
+from tokenizer import Tokenizer, TokenizerError
+
+DEFAULTS = dict(
+    out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
+    init_from="resume",  # "resume": the checkpoint in out_dir; "hf:path": a Llama/Qwen3 folder (see export.py)
+    prompt="ROMEO: But soft, what light through yonder window breaks?",  # text; FILE:path reads a file, - stdin
+    layers="",  # comma-separated layer indices to draw (e.g. "0,3"); "": all
+    heads="",  # comma-separated query-head indices to draw; "": all
+    out="attention.png",  # the picture
+    json="",  # also write each head's statistics (and its weights) to this JSON file
+    device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu"
+)
+MAX_LABELS = 48  # tokens as axis labels up to this many; past that they would not be readable
+
+
+class AttentionError(Exception):
+    """A problem the user can fix; the message is one line saying what to do."""
+
+
+@torch.no_grad()
+def attention_weights(model, idx):
+    """The logits (B, T, V) of idx (B, T), and each layer's attention weights (B, n_head, T, T): rows are
+    queries, columns keys, the masked part exactly 0. The model runs its ordinary forward pass; a hook on each
+    attention module recomputes q and k from that module's input, the way the module itself does."""
+    weights, hooks = [], []
+
+    def capture(module, args):
+        x, positions = args[0], args[1]
+        q, k = module.queries_and_keys(x, positions)  # (B, nh, T, hd), (B, n_kv, T, hd)
+        k = k.repeat_interleave(module.n_head // module.n_kv_head, dim=1)  # query head h reads kv head h // group
+        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(module.head_dim)  # (B, nh, T, T)
+        visible = can_attend(positions.ids[:, None], positions.ids[None, :], module.config)  # (T, T)
+        weights.append(scores.masked_fill(~visible, float("-inf")).softmax(dim=-1))
+
+    for module in model.modules():
+        if isinstance(module, CausalSelfAttention):
+            hooks.append(module.register_forward_pre_hook(capture))
+    try:
+        logits, _ = model(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits, weights
+
+
+def head_stats(w):
+    """For one head's weights (T, T): mean row entropy (nats) and mean share of weight on the previous token
+    (rows after the first), the first token and the token itself."""
+    T = w.size(0)
+    entropy = -(w * w.clamp_min(1e-30).log()).sum(-1).mean().item()
+    previous = w.diagonal(offset=-1).mean().item() if T > 1 else 0.0
+    return dict(entropy=entropy, previous=previous, first=w[:, 0].mean().item(), same=w.diagonal().mean().item())
+
+
+def parse_indices(text, count, what):
+    """The indices a --layers/--heads setting names (all when empty), each checked to be in range."""
+    if not text:
+        return list(range(count))
+    try:
+        indices = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        raise AttentionError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    bad = [i for i in indices if not 0 <= i < count]
+    if bad or not indices:
+        raise AttentionError(f"--{what} {text!r}: the model has {count} {what} (0 .. {count - 1})")
+    return indices
+
+
+def token_labels(tokenizer, ids):
+    """Each token's text, for axis labels: whitespace made visible."""
+    return [tokenizer.decode([i]).replace("\n", "\\n").replace(" ", "\u2423") for i in ids]
+
+
+def draw(weights, layers, heads, group, labels, path):
+    """A grid, one panel per (layer, head): layers down, heads across."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    T = weights[0].size(-1)
+    size = 1.6 + 0.12 * min(T, MAX_LABELS)
+    fig, axes = plt.subplots(len(layers), len(heads), figsize=(size * len(heads), size * len(layers)), squeeze=False)
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
+            ax = axes[r][c]
+            w = weights[layer][0, head].cpu()
+            shown = w.masked_fill(w == 0, float("nan"))  # the masked part (exactly 0) blank, not dark
+            ax.imshow(shown.numpy(), cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+            ax.set_title(f"layer {layer}, head {head} (kv {head // group})", fontsize=8)
+            if T <= MAX_LABELS:
+                ax.set_xticks(range(T), labels, rotation=90, fontsize=6)
+                ax.set_yticks(range(T), labels, fontsize=6)
+            else:
+                ax.set_xticks([]), ax.set_yticks([])
+    fig.tight_layout()
+    try:
+        with atomic_open(path) as f:
+            fig.savefig(f, format="png", dpi=100)
+    except OSError as e:
+        raise AttentionError(f"cannot write {path}: {write_failure(e)}") from None
+    return fig
+
+
+def main(argv):
+    settings = configure(DEFAULTS, argv)
+    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
+        raise AttentionError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
+    try:
+        prompt = read_prompt(settings["prompt"])
+    except SampleError as e:
+        raise AttentionError(str(e)) from None
+    device = resolve_device(settings["device"])
+    source = settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"]
+    model, meta = load_model(source, device, torch.float32)
+    config, tokenizer = model.config, Tokenizer(meta)
+    layers = parse_indices(settings["layers"], config.n_layer, "layers")
+    heads = parse_indices(settings["heads"], config.n_head, "heads")
+    try:
+        ids = tokenizer.encode(prompt, special_tokens=True)
+    except TokenizerError as e:
+        raise AttentionError(f"the prompt has {e}") from None
+    if not ids:
+        raise AttentionError("the prompt is empty; give some text, e.g. --prompt='ROMEO:'")
+    if len(ids) > config.block_size:
+        raise AttentionError(f"the prompt is {len(ids)} tokens, but the model reads at most block_size="
+                             f"{config.block_size}; shorten it")
+
+    _, weights = attention_weights(model, torch.tensor([ids], device=device))
+    group = config.n_head // config.n_kv_head
+    stats = {f"layer {layer} head {head}": head_stats(weights[layer][0, head]) for layer in layers for head in heads}
+    print(f"{len(ids)} tokens; per head: mean row entropy (nats), and the share of weight on the previous "
+          f"token, the first token and the token itself")
+    print(f"{'head':>20} {'kv head':>7} {'entropy':>8} {'previous':>8} {'first':>8} {'same':>8}")
+    for name, s in stats.items():
+        head = int(name.split()[-1])
+        print(f"{name:>20} {head // group:>7} {s['entropy']:8.3f} {s['previous']:8.3f} {s['first']:8.3f} {s['same']:8.3f}")
+    draw(weights, layers, heads, group, token_labels(tokenizer, ids), settings["out"])
+    print(f"wrote {settings['out']} ({len(layers)} x {len(heads)} panels)")
+    if settings["json"]:
+        record = dict(tokens=token_labels(tokenizer, ids), heads={
+            name: dict(s, weights=weights[int(name.split()[1])][0, int(name.split()[3])].tolist())
+            for name, s in stats.items()})
+        try:
+            with atomic_open(settings["json"], "w") as f:
+                json.dump(record, f)
+        except OSError as e:
+            raise AttentionError(f"cannot write {settings['json']}: {write_failure(e)}") from None
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, AttentionError, CheckpointError) as e:
+        sys.exit(f"error: {e}")
