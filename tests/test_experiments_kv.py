@@ -1,0 +1,73 @@
+"""Tests for experiments/kv_cache.py and experiments/kv_heads.py with tiny settings: their key claims (the cached
+step does constant matmul work where the uncached one grows with the context, and gives the same logits; GQA
+and MQA shrink the KV cache by n_head / n_kv_head), not their timings, which the scripts print."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from experiments import kv_cache, kv_heads
+from model import GPT, GPTConfig
+from tokenizer import Tokenizer, char_meta
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**dict(dict(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32),
+                                **overrides))).eval()
+
+
+def test_cached_flops_grow_only_through_attention_and_uncached_flops_with_the_whole_context():
+    model = tiny()
+    cfg = model.config
+    per_key = 4 * cfg.n_layer * cfg.n_head * cfg.head_dim  # q.k and the weighted v, per cached key
+    cached = [kv_cache.step_flops(model, n, cached=True) for n in (16, 32, 64)]
+    assert cached[1] - cached[0] == per_key * 16 and cached[2] - cached[1] == per_key * 32
+    # by hand for one context: every linear layer once per token, the output head once, causal pairs
+    weights = {name: m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    body = sum(n for name, n in weights.items() if name != "lm_head")
+    assert kv_cache.step_flops(model, 32, cached=False) == 2 * body * 32 + per_key * (32 * 33 // 2) + 2 * weights["lm_head"]
+    assert kv_cache.step_flops(model, 32, cached=True) == 2 * body + per_key * 32 + 2 * weights["lm_head"]
+    ratios = [kv_cache.step_flops(model, n, False) / kv_cache.step_flops(model, n, True) for n in (16, 32, 64)]
+    assert ratios[0] < ratios[1] < ratios[2]
+
+
+@pytest.mark.parametrize("context", [1, 17, 64])
+def test_the_cached_step_gives_the_logits_of_the_whole_context(context):
+    _, _, difference = kv_cache.measure(tiny(), context, repeats=1)
+    assert difference < 1e-5
+
+
+def test_contexts_double_up_to_block_size():
+    assert kv_cache.contexts(1024) == [64, 128, 256, 512, 1024] and kv_cache.contexts(100) == [64]
+    assert kv_cache.contexts(32) == [32]
+
+
+def test_kv_bytes_per_token_shrink_with_the_kv_heads():
+    sizes = [kv_heads.kv_bytes_per_token(tiny(n_kv_head=n).config) for n in (4, 2, 1)]
+    assert sizes == [2 * 2 * 4 * 8 * 4, 2 * 2 * 2 * 8 * 4, 2 * 2 * 1 * 8 * 4]  # 2 (k, v) x layers x heads x hd x 4 B
+
+
+def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch):
+    text = "ROMEO: But soft, what light through yonder window breaks? It is the east. " * 40
+    data = tmp_path / "data" / "tiny"
+    from data.shakespeare.prepare import write_splits
+
+    write_splits(text, Tokenizer(char_meta(text)), str(data), "tiny")
+    config = tmp_path / "tiny.py"
+    config.write_text('dataset = "tiny"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\nbatch_size = 2\n'
+                      'max_iters = 4\neval_interval = 2\neval_iters = 1\ndevice = "cpu"\ncompile = False\n')
+    monkeypatch.chdir(tmp_path)
+    out_dir = str(tmp_path / "kv1")
+    kv_heads.train_run(str(config), out_dir, 1, 1337, [])
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        evals = [json.loads(line) for line in f if "val_loss" in line]
+    assert [r["iter"] for r in evals] == [0, 2, 4] and kv_heads.final_val_loss(out_dir) == evals[-1]["val_loss"]
+    from checkpoint import load_model
+
+    model, _ = load_model(out_dir)
+    assert model.config.n_kv_head == 1  # the run's setting reached the model
