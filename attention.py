@@ -181,5 +181,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, AttentionError, CheckpointError) as e:
+    except (ConfigError, AttentionError, CheckpointError, TokenizerError) as e:
         sys.exit(f"error: {e}")

@@ -190,5 +190,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, EvalError, CheckpointError, DataError) as e:
+    except (ConfigError, EvalError, CheckpointError, DataError, TokenizerError) as e:
         sys.exit(f"error: {e}")

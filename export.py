@@ -25,7 +25,7 @@ import torch
 from checkpoint import CheckpointError, load_model
 from configurator import ConfigError, configure
 from files import atomic_open
-from tokenizer import byte_to_unicode
+from tokenizer import TokenizerError, byte_to_unicode, named_encoding
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -182,9 +182,7 @@ def tokenizer_json(meta):
                     decoder=dict(type="Fuse"), model=model)
     if meta["tokenizer"] != "gpt2":
         raise ConvertError(f"tokenizer {meta['tokenizer']!r} cannot be written as tokenizer.json; only gpt2 and char")
-    import tiktoken
-
-    enc = tiktoken.get_encoding("gpt2")
+    enc = named_encoding("gpt2")
     to_unicode = byte_to_unicode()
     text = lambda token: "".join(to_unicode[b] for b in token)  # noqa: E731
     ranks = enc._mergeable_ranks  # bytes -> id; tiktoken has no public accessor for the vocabulary
@@ -271,5 +269,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, ConvertError, CheckpointError) as e:
+    except (ConfigError, ConvertError, CheckpointError, TokenizerError) as e:
         sys.exit(f"error: {e}")

@@ -136,5 +136,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, SampleError, CheckpointError) as e:
+    except (ConfigError, SampleError, CheckpointError, TokenizerError) as e:
         sys.exit(f"error: {e}")

@@ -39,9 +39,7 @@ class Tokenizer:
         elif meta["tokenizer"] == "bpe":
             self.enc = tiktoken_encoding(meta["path"])
         else:
-            import tiktoken
-
-            self.enc = tiktoken.get_encoding(meta["tokenizer"])
+            self.enc = named_encoding(meta["tokenizer"])
 
     def encode(self, text, special_tokens=False):
         """Token ids of text. With special_tokens, "<|endoftext|>" written in the text is that token (a prompt);
@@ -82,6 +80,19 @@ class Tokenizer:
             return self.chars.__getitem__
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         return lambda token: utf8.decode(self.enc.decode_single_token_bytes(token))
+
+
+def named_encoding(name):
+    """tiktoken's encoding `name` ("gpt2", ...). Its files are downloaded on first use and cached: offline with
+    no cached copy that fails, and the error says where tiktoken looks for a local copy."""
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # no network: requests' ConnectionError; an unknown name: ValueError; ...
+        reason = (str(e) or type(e).__name__).splitlines()[0][:160]
+        raise TokenizerError(f"cannot load tiktoken's {name!r} encoding ({reason}); offline, set TIKTOKEN_CACHE_DIR "
+                             "to a folder holding a cached copy of its files") from None
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 from model import GPT, GPTConfig
-from tokenizer import Tokenizer
+from tokenizer import Tokenizer, TokenizerError
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
 # vocab_size 0 means the dataset's, rounded up to a multiple of 64.
@@ -561,5 +561,5 @@ def check_finite(loss, iter_num, ckpt_path):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, TrainError, CheckpointError) as e:
+    except (ConfigError, DataError, TrainError, CheckpointError, TokenizerError) as e:
         sys.exit(f"error: {e}")

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shards import DataError, dataset_file, write_meta, write_shard
-from tokenizer import GPT2_META, Tokenizer
+from tokenizer import GPT2_META, Tokenizer, TokenizerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "input.txt")
@@ -68,5 +68,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except DataError as e:
+    except (DataError, TokenizerError) as e:
         sys.exit(f"error: {e}")
