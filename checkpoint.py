@@ -43,6 +43,8 @@ def resolve_dtype(dtype, device):
         dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise CheckpointError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+        raise CheckpointError(f"this GPU ({torch.cuda.get_device_name(device)}) cannot run bfloat16; use --dtype=float16")
     return getattr(torch, dtype)
 
 

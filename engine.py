@@ -8,7 +8,7 @@ The decoding engine: from a prompt's token ids to new tokens, fast, for sample.p
 - decode_speculative: a smaller draft model proposes draft_k tokens, the model checks them in one forward
   pass, and the output follows the model's own distribution exactly.
 - Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
-- thin_input_linears: a CPU speed trick for decode batches, used only where it measures faster here.
+- thin_input_linears: a CPU speed trick for decode steps, used only where it measures faster here.
 
 Settings are sample.py's: num_samples, max_new_tokens, temperature, top_k, top_p, no_kv_cache, compile,
 draft_k. The next token is always chosen by model.sample_next_token / model.sampling_probs.
@@ -57,6 +57,11 @@ class Samples:
         return len(text) - len(before) + min(ends) if ends else None
 
 
+def device_of(model):
+    """The device a model runs on (its embedding's: the linear layers may be quantized and hold no .weight)."""
+    return model.embed_tokens.weight.device
+
+
 def next_token_probs(logits, settings, vocab_size):
     """Probabilities (B, vocab_size) of the next token under the sampling settings; the model's vocabulary
     may be padded past the tokenizer's, and those padding tokens are never chosen."""
@@ -91,17 +96,22 @@ def last_logits(model, tokens, cache):
 # ----------------------------------------------------------------------------------------------------
 # A CPU speed trick, used only where it measures faster on the machine at hand
 
-THIN_ROWS = range(4, 17)  # a decode batch: too many rows for a matrix-vector product, too few for a good GEMM
-thin_pays = {}  # (rows, out_features, in_features, dtype) -> whether (W @ x^T)^T measured faster than x @ W^T
+# A batch-1 step (one row: a matrix-vector product) or a decode batch (too many rows for one, too few for a good GEMM)
+THIN_ROWS = (1, *range(4, 17))
+thin_pays = {}  # (rows, out_features, in_features, dtype) -> whether the thin form measured faster than x @ W^T
 
 
 def thin_input_linear(layer, x):
-    """layer(x) for a linear layer, with an input of THIN_ROWS rows computed as (W @ x^T)^T: some BLAS (MKL on
-    an Intel Xeon) runs that form near memory bandwidth where x @ W^T runs well below (bench/RESULTS.md)."""
+    """layer(x) for a linear layer, with an input of THIN_ROWS rows computed as W @ x (one row, torch.mv) or
+    (W @ x^T)^T: some BLAS run those forms near memory bandwidth where x @ W^T runs well below (MKL's fp32 at 8
+    rows on an Intel Xeon; oneDNN's bf16 at 1 and 8 rows there, 1.6-2x; bench/RESULTS.md)."""
     rows = x.numel() // x.size(-1)
     if rows not in THIN_ROWS:
         return F.linear(x, layer.weight, layer.bias)
-    y = (layer.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
+    if rows == 1:
+        y = torch.mv(layer.weight, x.reshape(-1))[None]  # (1, out_features)
+    else:
+        y = (layer.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
     if layer.bias is not None:
         y = y + layer.bias
     return y.view(*x.shape[:-1], -1)
@@ -125,10 +135,12 @@ def thin_is_faster(layer, rows, repeats=5):
 
 @contextlib.contextmanager
 def thin_input_linears(model, rows):
-    """While in the block, every linear layer of the model computes inputs of THIN_ROWS rows (a decode batch) as
-    (W @ x^T)^T, if that measures faster on this CPU at rows rows; elsewhere (GPUs, other sizes) nothing changes."""
+    """While in the block, every linear layer of the model computes inputs of THIN_ROWS rows (a decode batch) in
+    thin_input_linear's form, if that measures faster on this CPU at rows rows; elsewhere (GPUs, other sizes)
+    nothing changes."""
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    use = model.lm_head.weight.device.type == "cpu" and rows in THIN_ROWS and thin_is_faster(model.lm_head, rows)
+    use = (device_of(model).type == "cpu" and rows in THIN_ROWS and isinstance(model.lm_head, nn.Linear)
+           and thin_is_faster(model.lm_head, rows))  # not for quantized layers (quantize.py), which have no .weight
     for layer in linears if use else []:
         layer.forward = lambda x, layer=layer: thin_input_linear(layer, x)  # this instance only
     try:
@@ -150,11 +162,12 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
 
 def decode_loop(model, prompt_ids, settings, samples, generator):
     """decode_batch's steps, with the model as it is given."""
-    n, block_size, device = settings["num_samples"], model.config.block_size, model.lm_head.weight.device
+    n, block_size, device = settings["num_samples"], model.config.block_size, device_of(model)
     vocab_size = samples.tokenizer.vocab_size
     compiled = settings["compile"] and not settings["no_kv_cache"]
-    if compiled:
-        step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False)
+    if compiled:  # on CUDA replayed as a CUDA graph: eager, a step is hundreds of kernel launches, launch-bound
+        step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False,
+                                mode="reduce-overhead" if device.type == "cuda" else None)
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
     # A cache no longer than this run needs: the compiled step attends over all of it, so size matters.
     max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
@@ -168,6 +181,9 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     contexts = contexts.expand(n, -1)
     if cache is not None:
         cache.select_rows([0] * n)  # every sample starts from the prompt's cache
+    if compiled:  # the step writes these tensors in place; a graph replays only on the addresses it recorded
+        torch._dynamo.mark_static_address(cache.k)
+        torch._dynamo.mark_static_address(cache.v)
     rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (compiled only)
     for step in range(settings["max_new_tokens"]):
         next_tokens = sample_next_token(logits[:, :vocab_size], settings["temperature"], settings["top_k"],
@@ -184,7 +200,13 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
             if cache is not None:
                 cache.select_rows(alive)
         if cache is not None and cache.pos == block_size:  # the context is full: slide the window
-            cache, next_tokens = prefill(model, contexts[:, -(block_size // 2):], block_size, compiled)
+            refilled, next_tokens = prefill(model, contexts[:, -(block_size // 2):], block_size, compiled)
+            if compiled:  # into the same tensors, which keep their static addresses
+                cache.k.copy_(refilled.k)
+                cache.v.copy_(refilled.v)
+                cache.pos = refilled.pos
+            else:
+                cache = refilled
         if compiled:  # the same two input tensors every step: a slice of contexts has other strides to guard on
             step_tokens.copy_(next_tokens)
             input_pos.fill_(cache.pos)
@@ -204,7 +226,7 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
     is drawn from the target. target_cache holds all of tokens but the last; draft_cache a prefix of it.
     Returns the new tokens and how many of the proposed ones were accepted.
     """
-    device = target.lm_head.weight.device
+    device = device_of(target)
     proposed, draft_probs = [], []
     feed = tokens[draft_cache.pos:]  # what the draft has not seen yet (one or two tokens)
     for _ in range(k):
@@ -237,7 +259,7 @@ def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
     """Decode each sample in turn with speculative steps; returns (accepted, proposed) counts."""
     block_size = min(target.config.block_size, draft.config.block_size)
     vocab_size = samples.tokenizer.vocab_size
-    device = target.lm_head.weight.device
+    device = device_of(target)
     n_accepted = n_proposed = 0
     for sample in range(settings["num_samples"]):
         tokens, n_new, ended = list(prompt_ids), 0, False
@@ -272,19 +294,24 @@ def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
 
 
 def target_logprobs(model, hidden, targets):
-    """log p(target) (N,) float32 for hidden states (N, C) and their next tokens targets (N,): the output head
-    runs on these positions only, which is where most of the memory of a long window would go."""
+    """log p(target) (N,) float32 for hidden states (N, C) and their next tokens targets (N,), and the most likely
+    next tokens (N,): the output head runs on these positions only, where most of a long window's memory would go."""
     logits = model.lm_head(hidden).float()
-    return -F.cross_entropy(logits, targets, reduction="none")
+    return -F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
+
+
+def token_logprobs(model, tokens, stride=None, batch_size=8):
+    """log p(tokens[i] | the tokens before it) for i = 1 .. N-1, as (N-1,) float32: see token_predictions."""
+    return token_predictions(model, tokens, stride, batch_size)[0]
 
 
 @torch.inference_mode()
-def token_logprobs(model, tokens, stride=None, batch_size=8):
-    """log p(tokens[i] | the tokens before it) for i = 1 .. N-1, as (N-1,) float32, with a sliding window: windows
-    of block_size + 1 tokens start every `stride` tokens (default block_size // 2), and each scores only the
-    tokens earlier windows did not, so every token past the first block is predicted from at least
-    block_size - stride tokens of context. The windows run batch_size at a time."""
-    block_size, device = model.config.block_size, model.lm_head.weight.device
+def token_predictions(model, tokens, stride=None, batch_size=8):
+    """log p(tokens[i] | the tokens before it) for i = 1 .. N-1, as (N-1,) float32, and the model's most likely
+    token there (N-1,), with a sliding window: windows of block_size + 1 tokens start every `stride` tokens
+    (default block_size // 2), and each scores only the tokens earlier windows did not, so every token past the
+    first block is predicted from at least block_size - stride tokens of context. batch_size windows at a time."""
+    block_size, device = model.config.block_size, device_of(model)
     stride = stride or max(1, block_size // 2)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_targets = len(tokens) - 1
@@ -296,15 +323,19 @@ def token_logprobs(model, tokens, stride=None, batch_size=8):
         end = min(start + block_size, n_targets)
         windows.append((start, end, scored_until))  # scores targets scored_until .. end - 1
         scored_until = end
-    logprobs = []
+    logprobs, top1 = [], []
     for i in range(0, len(windows), batch_size):
         batch = windows[i:i + batch_size]
         inputs = torch.stack([tokens[start:end] for start, end, _ in batch]).to(device)  # (B, T): equal lengths
         hidden = model.hidden_states(inputs)  # (B, T, C)
         keep = torch.cat([hidden[b, first - start:] for b, (start, _, first) in enumerate(batch)])  # (kept, C)
         targets = torch.cat([tokens[first + 1:end + 1] for start, end, first in batch]).to(device)
-        logprobs.append(target_logprobs(model, keep, targets))
-    return torch.cat(logprobs).cpu() if logprobs else torch.zeros(0)
+        window_logprobs, window_top1 = target_logprobs(model, keep, targets)
+        logprobs.append(window_logprobs)
+        top1.append(window_top1)
+    if not logprobs:
+        return torch.zeros(0), torch.zeros(0, dtype=torch.long)
+    return torch.cat(logprobs).cpu(), torch.cat(top1).cpu()
 
 
 @torch.inference_mode()
@@ -313,7 +344,7 @@ def continuation_logprobs(model, context, continuations):
     continuations (token lists) of one context (a token list): the context runs once into a KV cache, then
     the continuations together as a chunk after that cached prefix. len(context) + the longest continuation
     must be at most block_size + 1 (the last token is scored, never fed)."""
-    device, n, longest = model.lm_head.weight.device, len(continuations), max(map(len, continuations))
+    device, n, longest = device_of(model), len(continuations), max(map(len, continuations))
     cache, last = prefill(model, torch.tensor([context], device=device), len(context) - 1 + longest)
     cache.select_rows([0] * n)
     inputs = torch.zeros(n, longest, dtype=torch.long, device=device)  # each row: the context's last token,
@@ -328,7 +359,7 @@ def continuation_logprobs(model, context, continuations):
 def sequence_logprobs(model, pairs):
     """continuation_logprobs for (context, continuation) pairs of different contexts, each as one sequence of
     a padded batch; a sequence longer than block_size + 1 loses its first tokens."""
-    device, block_size = model.lm_head.weight.device, model.config.block_size
+    device, block_size = device_of(model), model.config.block_size
     sequences = [(context + continuation)[-(block_size + 1):] for context, continuation in pairs]
     longest = max(map(len, sequences)) - 1
     inputs = torch.zeros(len(pairs), longest, dtype=torch.long, device=device)

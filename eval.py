@@ -7,6 +7,7 @@ through EleutherAI's lm-evaluation-harness:
     python eval.py --init_from=hf:hf-folder --text=FILE      # a Hugging Face Llama/Qwen3 folder (export.py)
     python eval.py --out_dir=out-gpt2-124m --tasks=hellaswag,arc_easy --limit=500   # needs lm-eval
     python eval.py --out_dir=... --tasks=my_task --include_path=tasks/   # task YAML files of your own
+    python eval.py --out_dir=out-small --quantize=int8       # what int8 weights (or --dtype=bfloat16) cost
 
 Bits per byte is the total loss in bits over the UTF-8 bytes of the text the predicted tokens stand for
 (end-of-text: 0 bytes): unlike the loss per token, it compares a character model with a BPE model, and
@@ -28,6 +29,7 @@ from configurator import ConfigError, configure
 from data.shards import DataError, find_shards, read_shard
 from engine import token_logprobs
 from files import atomic_open, write_failure
+from quantize import QuantizeError, check_quantize, quantize
 from tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
@@ -45,6 +47,7 @@ DEFAULTS = dict(
     out_json="",  # also write the results to this JSON file
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
+    quantize=None,  # "int8": score the model with int8 weights, as sample.py --quantize=int8 decodes (quantize.py)
 )
 LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
 
@@ -174,7 +177,10 @@ def main(argv):
         except ImportError:
             raise EvalError(LM_EVAL_MISSING) from None
     device = resolve_device(settings["device"])
-    model, meta, dataset = load(settings, device, resolve_dtype(settings["dtype"], device))
+    dtype = resolve_dtype(settings["dtype"], device)
+    check_quantize(settings["quantize"], device)
+    model, meta, dataset = load(settings, device, dtype)
+    quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
     results = {}
     if settings["text"] or not settings["tasks"]:
@@ -190,5 +196,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, EvalError, CheckpointError, DataError, TokenizerError) as e:
+    except (ConfigError, EvalError, CheckpointError, DataError, TokenizerError, QuantizeError) as e:
         sys.exit(f"error: {e}")

@@ -7,6 +7,8 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (pays off on long runs)
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (README: modes)
+    python sample.py --prompt "ROMEO:" --dtype=bfloat16       # half the bytes of float32
 
 This is the command line; the decoding itself is engine.py's. The prompt goes through the model once and
 its KV cache is copied to every sample; the samples decode together, a sample that ends (end-of-text or a
@@ -23,6 +25,7 @@ from checkpoint import CheckpointError, load_model, resolve_device, resolve_dtyp
 from configurator import ConfigError, configure
 from engine import Samples, decode_batch, decode_speculative
 from model import check_sampling
+from quantize import QuantizeError, check_quantize, quantize
 from tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
@@ -38,6 +41,7 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
+    quantize=None,  # "int8": int8 weights, one scale per output channel (CPU; the draft's too); see quantize.py
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=False,  # torch.compile the decode step: static cache shapes, compiled once (~1-2 min on a 2-core CPU)
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
@@ -88,8 +92,10 @@ def main(argv):
     stops = check_settings(settings)
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
+    check_quantize(settings["quantize"], device, settings["compile"])
     source = settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"]
     model, meta = load_model(source, device, dtype)
+    quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
     draft = None
     if settings["draft"]:
@@ -98,6 +104,7 @@ def main(argv):
             raise SampleError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "
                               f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
                               f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
+        quantize(draft, settings["quantize"])
 
     prompt = read_prompt(settings["prompt"])
     try:
@@ -136,5 +143,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, SampleError, CheckpointError, TokenizerError) as e:
+    except (ConfigError, SampleError, CheckpointError, TokenizerError, QuantizeError) as e:
         sys.exit(f"error: {e}")

@@ -171,7 +171,7 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])
 @pytest.mark.parametrize("bias", [False, True])
 def test_thin_input_linear_equals_nn_linear_for_every_row_count(rows, bias):
-    """thin_input_linear computes 4 to 16 rows as (W @ x^T)^T; the result is nn.Linear's, in x's shape."""
+    """thin_input_linear computes 1 row as W @ x and 4 to 16 rows as (W @ x^T)^T; the result is nn.Linear's, in x's shape."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias)
     x = torch.randn(rows, 1, 48)

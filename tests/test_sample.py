@@ -203,8 +203,8 @@ def test_a_prompt_one_short_of_block_size_decodes(ckpts, capsys):
 
 @pytest.mark.parametrize("num_samples", [1, 2])
 def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypatch, num_samples):
-    """--compile=True decodes the same text from a step traced once, though the window slides twice (a new
-    cache) and the position moves every step. Traced here with a counting backend that hands the graph to
+    """--compile=True decodes the same text from a step traced once, though the window slides twice (the cache
+    refilled in place) and the position moves every step. Traced here with a counting backend that hands the graph to
     aot_eager (dynamo and AOT autograd, what inductor is given, in a fraction of its compile time); the
     inductor run is test_compiled_greedy_with_inductor_in_a_separate_process."""
     graphs = []
@@ -213,8 +213,17 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
-    torch_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(fn, **{**kwargs, "backend": counting_backend}))
+    torch_compile, cache_addresses = torch.compile, set()
+
+    def compile_recording_addresses(fn, **kwargs):
+        compiled = torch_compile(fn, **{**kwargs, "backend": counting_backend})
+
+        def step(model, tokens, cache, input_pos):
+            cache_addresses.add((cache.k.data_ptr(), cache.v.data_ptr()))
+            return compiled(model, tokens, cache, input_pos)
+        return step
+
+    monkeypatch.setattr(torch, "compile", compile_recording_addresses)
     torch._dynamo.reset()
     n = 2 * BLOCK + 5
     extra = [f"--num_samples={num_samples}"]
@@ -222,6 +231,7 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
     assert graphs == []  # compile is off by default
     assert greedy(capsys, ckpts, PROMPT, n, *extra, "--compile=True").out == eager
     assert len(graphs) == 1
+    assert len(cache_addresses) == 1  # one cache for the whole run, slides included: CUDA graphs replay on it
     torch._dynamo.reset()
 
 
