@@ -5,6 +5,7 @@ transformers' LlamaForCausalLM.generate and against the memory-bandwidth floor.
     python bench/bench_sample.py --models gpt2 --quick   # one model, fewer repeats and no-cache steps
     python bench/bench_sample.py --models small --threads 1
     python bench/bench_sample.py --models gpt2 --compile # and a row for sample.py --compile=True
+    python bench/bench_sample.py --models gpt2 --modes float32,int8   # the decoding modes compared (default: all)
 
 Models: "small" is config/small.py's shape (4 layers, 128 wide, context 128), loaded from out-small/ckpt.pt when
 it exists (so speculative acceptance means something), else random; "gpt2" is the GPT-2-small size (12 layers,
@@ -12,12 +13,16 @@ it exists (so speculative acceptance means something), else random; "gpt2" is th
 which decode as fast as trained ones. Each runs a short prompt (16 tokens) and a long one (block_size minus the
 new tokens minus 32, so decoding ends near block_size), at batch 1 and 8, greedy.
 
+Modes: float32 is the "cached" row; bfloat16 and float16 are sample.py --dtype=..., int8 is --quantize=int8. Every
+/floor ratio is to the float32 floor (a mode that reads half the bytes can reach 0.5x).
+
 Every figure is the decode phase alone: a run of N new tokens minus a run of 1, over N - 1 steps, so prefill
 and setup cancel. Runs of the methods being compared are interleaved and each keeps its best, because the VM's
 speed drifts by ~25% over minutes: compare the ratios printed together, not figures across runs.
 """
 
 import argparse
+import copy
 import os
 import platform
 import sys
@@ -31,6 +36,7 @@ import torch.nn as nn
 from checkpoint import load_model
 from engine import Samples, decode_batch, decode_speculative
 from model import GPT, GPTConfig
+from quantize import quantize
 from tokenizer import Tokenizer
 
 SHORT_PROMPT = 16
@@ -42,6 +48,7 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOC
 # qk_norm off: exactly the architecture of the LlamaForCausalLM it is compared with (qk_norm=True, the default,
 # is a Qwen3 and adds two small norms per layer to every step)
 GPT2_CONFIG = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768, qk_norm=False)
+MODES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
 SMALL_CONFIG = dict(vocab_size=128, block_size=128, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
 
 
@@ -77,6 +84,17 @@ def memory_read(n_bytes):
         for _ in range(n_new):
             buffer.sum()
     return run
+
+
+def in_mode(model, mode):
+    """A copy of the float32 model in a decoding mode (MODES): sample.py's --dtype or --quantize."""
+    if MODES[mode] == "int8":
+        return quantize(copy.deepcopy(model), "int8")
+    return copy.deepcopy(model).to(MODES[mode])
+
+
+def mode_label(mode):
+    return CACHED if mode == "float32" else f"cached, {mode} (--{'quantize' if mode == 'int8' else 'dtype'}={mode})"
 
 
 def timed(fn):
@@ -206,6 +224,7 @@ def bench_model(name, args, bandwidth, summary):
     hf_model = hf_llama(config) if name == "gpt2" and not args.no_hf else None
     draft_layers = 1 if config.n_layer <= 4 else 2
     draft = early_exit_draft(model, draft_layers)
+    mode_models = {mode: in_mode(model, mode) for mode in args.modes if mode != "float32"}
 
     print(f"\n== {name}: {description}; {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads "
           f"({config.n_kv_head} kv), context {config.block_size}, vocab {config.vocab_size}; "
@@ -222,6 +241,8 @@ def bench_model(name, args, bandwidth, summary):
         for batch in (1, 8):
             runs = {}
             runs[CACHED] = ours(model, tokenizer, prompt_ids, batch)
+            for mode, mode_model in mode_models.items():
+                runs[mode_label(mode)] = ours(mode_model, tokenizer, prompt_ids, batch)
             if args.compile:
                 runs[COMPILED] = ours(model, tokenizer, prompt_ids, batch, compile=True)
             if hf_model is not None:
@@ -255,7 +276,7 @@ def bench_model(name, args, bandwidth, summary):
     summary[name] = stats
 
 
-def print_summary(summary):
+def print_summary(summary, modes):
     print("\n== targets")
     for name, stats in summary.items():
         for prompt_name in ("short", "long"):
@@ -275,7 +296,24 @@ def print_summary(summary):
                     if hf is not None:
                         parts.append(f"transformers / compiled {hf / compiled:.2f}x")
                 print(", ".join(parts))
-    print("targets: no-cache / cached >= 25 at ~1000 context; batch 1 cached / floor <= 1.3; transformers / cached > 1")
+        print_modes(name, stats, modes)
+    print("targets: no-cache / cached >= 25 at ~1000 context; batch 1 float32 / floor <= 1.3; the fastest mode within "
+          "1% bits per byte of float32 (bench_quality.py): batch 1 <= 0.7x the float32 floor, transformers / it >= 2.5 "
+          "at batch 1 and 8; in each mode, batch 8 step / batch 1 step <= 1.5")
+
+
+def print_modes(name, stats, modes):
+    """Per mode: the batch-1 step against the float32 floor, transformers (float32) against it, batch 8 / batch 1."""
+    for prompt_name in ("short", "long"):
+        for mode in modes:
+            (one, floor), (eight, _) = stats[(prompt_name, 1)], stats[(prompt_name, 8)]
+            label = mode_label(mode)
+            parts = [f"{name} {prompt_name} {mode}: batch 1 {one[label] * 1e3:.1f} ms = {one[label] / floor:.2f}x the "
+                     f"float32 floor; batch 8 / batch 1 step {eight[label] / one[label]:.2f}x"]
+            hf = "transformers LlamaForCausalLM.generate"
+            if hf in one:
+                parts.append(f"transformers / it {one[hf] / one[label]:.2f}x (batch 1), {eight[hf] / eight[label]:.2f}x (batch 8)")
+            print(", ".join(parts))
 
 
 def main():
@@ -288,8 +326,13 @@ def main():
     parser.add_argument("--no_hf", action="store_true", help="skip the transformers column")
     parser.add_argument("--compile", action="store_true", help="add a row for sample.py --compile=True (compiles "
                         "once per prompt, batch and run length: minutes on 2 cores, less with inductor's cache warm)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {', '.join(MODES)} (default: all)")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args()
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if set(args.modes) - set(MODES):
+        sys.exit(f"error: --modes takes {', '.join(MODES)}, got {','.join(args.modes)!r}")
+    args.modes = ["float32"] + [m for m in args.modes if m != "float32"]  # the reference row is always run
     args.repeats = args.repeats or (1 if args.quick else 2)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     if not models or set(models) - {"small", "gpt2"}:
@@ -311,7 +354,7 @@ def main():
     with torch.inference_mode():
         for name in models:
             bench_model(name, args, bandwidth, summary)
-    print_summary(summary)
+    print_summary(summary, args.modes)
     print(f"\n{time.perf_counter() - start:.0f} s")
 
 
