@@ -52,11 +52,17 @@ MODES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, 
 SMALL_CONFIG = dict(vocab_size=128, block_size=128, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
 
 
-def machine():
+def cpu_model():
+    """The CPU's model name as lscpu shows it ("Intel(R) Xeon(R) Processor", "AMD EPYC ...")."""
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    return cpu
+
+
+def machine():
+    cpu = cpu_model()
     load = f", load average {os.getloadavg()[0]:.2f} at start" if hasattr(os, "getloadavg") else ""
     # one thread decodes ~1.7x slower than two here, and OMP_WAIT_POLICY=PASSIVE ~20% slower: show what is set
     env = ", ".join(f"{name}={os.environ[name]}" for name in THREAD_ENV if name in os.environ) or "none set"
@@ -226,7 +232,7 @@ def bench_model(name, args, bandwidth, summary):
     draft = early_exit_draft(model, draft_layers)
     mode_models = {mode: in_mode(model, mode) for mode in args.modes if mode != "float32"}
 
-    print(f"\n== {name}: {description}; {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads "
+    print(f"\n== {name} on {cpu_model()}, {torch.get_num_threads()} threads: {description}; {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads "
           f"({config.n_kv_head} kv), context {config.block_size}, vocab {config.vocab_size}; "
           f"{model.num_params() / 1e6:.2f}M params, {weight_bytes / 1e6:.1f} MB fp32")
     print(f"bandwidth floor at batch 1: {weight_bytes / bandwidth * 1e3:.2f} ms/token (weights / read bandwidth)")
