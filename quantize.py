@@ -3,20 +3,24 @@ Low-precision weights for decoding: a model's linear layers with int8 weights, f
 
     model = quantize(model, "int8")   # in place: every nn.Linear (the output head too) becomes an Int8Linear
 
-Batch-1 decoding reads every weight once per token, so a quarter of the bytes is up to 4x the speed. "int8" is
-dynamic int8 (what torch's quantize_dynamic makes): each weight row (output channel) is stored as int8 with
-one float scale; at run time each input row is quantized to int8 by fbgemm's kernel, multiplied in int32 and
-scaled back to float. Nothing is dequantized in Python. Measured here against the alternatives (bench/RESULTS.md):
-on the 50304 x 768 output head it runs 3-7x faster than fp32, bf16 or torchao's int8 kernels, on an Intel Xeon
-and on an AMD EPYC. Its quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement).
-
-The kernel is CPU only and cannot be traced by torch.compile: on CUDA use --dtype=bfloat16.
+Batch-1 decoding reads every weight once per token, so a quarter of the bytes is up to 4x the speed. Each weight
+row (output channel) is stored as int8 with one float scale (its largest magnitude / 127).
+- On CPU (Int8Linear): dynamic int8, what torch's quantize_dynamic makes: at run time each input row is quantized
+  to int8 too, and fbgemm's kernel multiplies in int32 and scales back to float; nothing is dequantized in Python.
+  On the 50304 x 768 output head it runs 3-7x faster than fp32, bf16 or torchao's int8 kernels, on an Intel Xeon
+  and on an AMD EPYC (bench/RESULTS.md). torch.compile cannot trace it.
+- Elsewhere (Int8WeightOnlyLinear, for GPUs): weight-only int8, gpt-fast's form: y = (x W_int8^T) * scale, the
+  int8 weight cast to the activations' dtype inside the product. Compiled (sample.py --compile=True, which on
+  CUDA also replays CUDA graphs) inductor fuses the cast into the product, so a step reads int8 weights; eager,
+  it materializes each weight in 16 bits and is slower than --dtype=bfloat16.
+The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
 """
 
 import warnings
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 SCHEMES = ("int8",)
 KEEP_ROWS = 16  # Int8Linear keeps its input buffer between calls of up to this many rows (decode steps)
@@ -34,14 +38,18 @@ def check_quantize(scheme, device, compile=False):
     if scheme not in SCHEMES:
         raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
     if torch.device(device).type != "cpu":
-        raise QuantizeError(f"--quantize={scheme} has a kernel on CPU only (fbgemm); on {device} use "
-                            "--dtype=bfloat16 (or --device=cpu)")
+        return  # Int8WeightOnlyLinear: plain torch ops, wherever F.linear runs
     if not set(CPU_INT8_ENGINES) & set(torch.backends.quantized.supported_engines):
         raise QuantizeError(f"this torch build has no int8 kernel for this CPU (quantized engines: "
                             f"{torch.backends.quantized.supported_engines}); drop --quantize")
     if compile:
-        raise QuantizeError(f"--quantize={scheme} cannot be compiled (torch.compile cannot trace fbgemm's int8 "
-                            "kernel); drop --compile: the int8 step is the faster of the two on CPU")
+        raise QuantizeError(f"--quantize={scheme} cannot be compiled on CPU (torch.compile cannot trace fbgemm's "
+                            "int8 kernel); drop --compile: the int8 step is the faster of the two on CPU")
+
+
+def row_scales(weight):
+    """One scale per output channel of a weight (out, in): the row's largest magnitude maps to 127."""
+    return weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
 
 
 full_range_exact = None  # whether 8-bit activations are exact on this CPU: measured once, by full_range_is_exact
@@ -70,7 +78,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float().cpu()  # (out, in)
-        scales = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,): row max -> 127, symmetric
+        scales = row_scales(weight)
         self.bias = None if linear.bias is None else linear.bias.detach().float().cpu()  # added after the rescale
         with warnings.catch_warnings():  # torch warns that quantized tensors are deprecated: this is the one place
             warnings.simplefilter("ignore", UserWarning)
@@ -110,14 +118,40 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
 
 
-def quantize(model, scheme):
-    """model with every nn.Linear replaced by its quantized version (in place; scheme None: unchanged).
-    The embedding stays in float: a step reads one row of it, not all."""
-    if not scheme:
-        return model
-    check_quantize(scheme, next(model.parameters()).device)
+class Int8WeightOnlyLinear(nn.Module):
+    """A linear layer y = (x W^T) * scale + b whose W (out, in) is held as int8 with one scale per output row;
+    x, y, the scales and the bias keep the model's dtype. For GPUs, compiled: see the module's docstring."""
+
+    def __init__(self, linear):
+        super().__init__()
+        weight = linear.weight.detach().float()  # (out, in)
+        scales = row_scales(weight)
+        self.register_buffer("weight", torch.round(weight / scales[:, None]).to(torch.int8))
+        self.register_buffer("scales", scales.to(linear.weight.dtype))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self):
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+def replace_linears(model, quantized_layer):
+    """Replace every nn.Linear of model (in place) by quantized_layer(that linear)."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+                setattr(parent, name, quantized_layer(child))
     return model
+
+
+def quantize(model, scheme):
+    """model with every nn.Linear (the output head too) quantized, in place (scheme None: unchanged): Int8Linear on
+    CPU, Int8WeightOnlyLinear elsewhere. The embedding stays in float: a step reads one row of it, not all."""
+    if not scheme:
+        return model
+    device = next(model.parameters()).device
+    check_quantize(scheme, device)
+    return replace_linears(model, Int8Linear if device.type == "cpu" else Int8WeightOnlyLinear)

@@ -41,7 +41,7 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, one scale per output channel (CPU; the draft's too); see quantize.py
+    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too; on CUDA with --compile=True)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=False,  # torch.compile the decode step: static cache shapes, compiled once (~1-2 min on a 2-core CPU)
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding

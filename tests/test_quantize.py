@@ -27,7 +27,7 @@ import engine
 import eval as evaluate
 import sample
 from model import GPT, GPTConfig
-from quantize import Int8Linear, quantize
+from quantize import Int8Linear, Int8WeightOnlyLinear, quantize, replace_linears
 from test_engine import ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold, first_two_token_probs, \
     spec_models, speculative_counts
 from tokenizer import Tokenizer, char_meta
@@ -130,6 +130,45 @@ def test_an_int8_linear_computes_each_row_independently_of_the_others():
     layer, x = Int8Linear(nn.Linear(64, 32)), torch.randn(1, 64)
     torch.testing.assert_close(layer(torch.cat([x, 100 * torch.randn(1, 64)]))[:1], layer(x), atol=1e-5, rtol=0)
 
+
+# ----------------------------------------------------------------------------------------------------
+# Int8WeightOnlyLinear: the GPU's int8, tested here on the CPU
+
+
+def test_weight_only_int8_holds_the_same_int8_weights_and_computes_with_them():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    cpu_layer, gpu_layer = Int8Linear(linear), Int8WeightOnlyLinear(linear)
+    assert gpu_layer.weight.dtype == torch.int8
+    torch.testing.assert_close(gpu_layer.dequantized_weight(), cpu_layer.dequantized_weight(), atol=0, rtol=0)
+    x = torch.randn(5, 64)
+    expected = nn.functional.linear(x, cpu_layer.dequantized_weight(), linear.bias)
+    torch.testing.assert_close(gpu_layer(x), expected, atol=1e-5, rtol=1e-5)  # no activation quantization here
+
+
+def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, monkeypatch):
+    """On CUDA, --quantize=int8 --compile=True runs this model through the compiled static-cache step (there as CUDA
+    graphs): it must trace in one graph (fullgraph) and decode what the eager model decodes. aot_eager here: dynamo
+    and AOT autograd, what inductor is given."""
+    model = replace_linears(copy.deepcopy(trained["model"]), Int8WeightOnlyLinear)
+    graphs, torch_compile = [], torch.compile
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(fn, **{**kwargs, "backend": counting_backend}))
+    torch._dynamo.reset()
+    prompt = trained["tokenizer"].encode(PROMPT)
+    texts = []
+    for compile in (False, True):
+        samples = engine.Samples(1, trained["tokenizer"], [], stream=False)
+        settings = dict(num_samples=1, max_new_tokens=BLOCK + 10, temperature=0.0, top_k=None, top_p=None,
+                        no_kv_cache=False, compile=compile)
+        engine.decode_batch(model, prompt, settings, samples, torch.Generator().manual_seed(0))
+        texts.append(samples.texts[0])
+    torch._dynamo.reset()
+    assert len(graphs) == 1 and texts[1] == texts[0] and len(texts[0]) == BLOCK + 10
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="fbgemm's AVX2 kernel is x86's")
 def test_without_vnni_activations_keep_to_7_bits_and_products_stay_exact():
@@ -294,8 +333,7 @@ def test_speculative_sampling_with_an_int8_draft_follows_the_fp32_target():
 
 BAD_MODES = {  # name: (arguments, words the message must contain)
     "unknown_scheme": (["--quantize=int4"], ["quantize must be one of int8", "'int4'"]),
-    "int8_compiled": (["--quantize=int8", "--compile=True"], ["cannot be compiled", "drop --compile"]),
-    "int8_on_cuda": (["--quantize=int8", "--device=cuda"], ["CPU only", "--dtype=bfloat16"]),
+    "int8_compiled": (["--quantize=int8", "--compile=True"], ["cannot be compiled on CPU", "drop --compile"]),
     "bfloat16_on_a_gpu_without_it": (["--dtype=bfloat16", "--device=cuda"], ["Fake GPU", "--dtype=float16"]),
 }
 
