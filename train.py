@@ -4,6 +4,7 @@ Train a GPT on prepared token shards, on one CPU or GPU, or many through torchru
     python train.py config/small.py                                   # one process
     python train.py config/small.py --learning_rate=3e-4 --max_iters=500
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py   # DDP on one node
+    torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True   # sharded (parallel.py)
     python train.py config/small.py --init_from=hf:hf-folder          # fine-tune a Llama/Qwen3 (export.py)
 
 Settings are the DEFAULTS below, changed by config files and --key=value overrides (configurator.py).
@@ -23,13 +24,14 @@ from dataclasses import asdict, fields, replace
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device, resolve_dtype, save_checkpoint
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 from model import GPT, GPTConfig
+from parallel import (checkpoint_blocks, full_model_state, full_optimizer_states, gradient_sync, load_optimizer_states,
+                      shard, whole_root, wrap_ddp)
 from tokenizer import Tokenizer, TokenizerError
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
@@ -75,6 +77,8 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
     compile=True,  # torch.compile the model; used on CUDA only
+    fsdp=False,  # under torchrun: shard parameters, gradients and optimizer state across processes (parallel.py)
+    activation_checkpointing=False,  # recompute each block's activations in the backward pass: less memory
     peak_flops=0.0,  # the hardware's peak FLOP/s for MFU; 0: known GPUs are looked up, else no MFU
     seed=1337,
 )
@@ -138,7 +142,9 @@ def make_optimizers(model, settings, device_type):
             hidden_matrices.append(param)
         else:
             other_matrices.append(param)
-    groups = [dict(params=other_matrices, weight_decay=settings["weight_decay"]), dict(params=vectors, weight_decay=0.0)]
+    lr = settings["learning_rate"]  # base_lr: the schedule's peak (lr_multiplier); a group key a checkpoint keeps
+    groups = [dict(params=other_matrices, weight_decay=settings["weight_decay"], base_lr=lr),
+              dict(params=vectors, weight_decay=0.0, base_lr=lr)]
     betas = (settings["beta1"], settings["beta2"])
     adamw = torch.optim.AdamW(groups, lr=settings["learning_rate"], betas=betas, fused=device_type == "cuda")
     if settings["optimizer"] == "adamw":
@@ -149,6 +155,24 @@ def make_optimizers(model, settings, device_type):
     muon = torch.optim.Muon(hidden_matrices, lr=settings["learning_rate"], weight_decay=settings["weight_decay"],
                             adjust_lr_fn="match_rms_adamw")
     return [adamw, muon]
+
+
+def check_fsdp(settings, world_size, ptdtype):
+    if world_size == 1:
+        raise TrainError("fsdp=True shards the model across processes: run it under torchrun, e.g. torchrun "
+                         "--standalone --nproc_per_node=2 train.py ... --fsdp=True (or drop --fsdp)")
+    if settings["optimizer"] == "muon":
+        raise TrainError("optimizer=muon orthogonalizes whole matrices, which fsdp=True splits across processes; "
+                         "use optimizer=adamw with fsdp, or muon without it (DDP)")
+    if ptdtype == torch.float16:
+        raise TrainError("fsdp=True does not take float16 (its gradient scaler is not sharded here); use "
+                         "dtype=bfloat16 or float32")
+
+
+def check_resume(checkpoint, settings):
+    if checkpoint["settings"]["optimizer"] != settings["optimizer"]:
+        raise TrainError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
+                         f"resume with that optimizer")
 
 
 def lr_multiplier(it, settings):
@@ -374,6 +398,9 @@ def train(settings, run_dir):
         raise TrainError(f"gradient_accumulation_steps ({settings['gradient_accumulation_steps']}) must be a "
                          f"multiple of the number of processes ({world_size})")
     micro_steps = settings["gradient_accumulation_steps"] // world_size
+    if settings["fsdp"]:
+        check_fsdp(settings, world_size, ptdtype)
+        autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (parallel.shard)
 
     out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
@@ -391,18 +418,23 @@ def train(settings, run_dir):
     model = GPT(config)
     if pretrained is not None:
         model.load_state_dict(pretrained.state_dict())
+    if checkpoint is not None:
+        check_resume(checkpoint, settings)
+        model.load_state_dict(checkpoint["model"])
     model = model.to(device)
-    optimizers = make_optimizers(model, settings, device_type)
+    if settings["activation_checkpointing"]:
+        checkpoint_blocks(model)
+    if settings["fsdp"]:
+        if settings["compile"] and device_type == "cuda":
+            for block in model.layers:
+                block.compile()  # each block on its own, before sharding, as torchtitan does
+        model = shard(model, ptdtype)
+    optimizers = make_optimizers(model, settings, device_type)  # after sharding: FSDP's parameters are new
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
     if checkpoint is not None:
-        if checkpoint["settings"]["optimizer"] != settings["optimizer"]:
-            raise TrainError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
-                             f"resume with that optimizer")
-        model.load_state_dict(checkpoint["model"])
-        for optimizer, state in zip(optimizers, checkpoint["optimizers"]):
-            optimizer.load_state_dict(state)
+        load_optimizer_states(model, optimizers, checkpoint["optimizers"])
         loader.load_state_dict(checkpoint["loader"])
         iter_num, best_val_loss, elapsed = checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
     for optimizer in optimizers:
@@ -410,10 +442,10 @@ def train(settings, run_dir):
             group["base_lr"] = settings["learning_rate"]
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
     raw_model = model
-    if settings["compile"] and device_type == "cuda":
+    if settings["compile"] and device_type == "cuda" and not settings["fsdp"]:
         model = torch.compile(model)
-    if world_size > 1:
-        model = DDP(model, device_ids=[int(device.split(":")[1])] if device_type == "cuda" else None)
+    if world_size > 1 and not settings["fsdp"]:
+        model = wrap_ddp(model, device)
 
     if master:
         run_dir.start(settings, checkpoint)
@@ -438,8 +470,8 @@ def train(settings, run_dir):
 
     run_start, elapsed_before = time.perf_counter(), elapsed  # elapsed: wall-clock seconds over all resumes
 
-    def checkpoint_now():
-        return dict(model=raw_model.state_dict(), optimizers=[o.state_dict() for o in optimizers],
+    def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
+        return dict(model=full_model_state(raw_model), optimizers=full_optimizer_states(raw_model, optimizers),
                     model_config=asdict(config), settings=settings, meta=meta, iter_num=iter_num,
                     best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict())
 
@@ -453,28 +485,34 @@ def train(settings, run_dir):
     steps_since_log, time_at_log = 0, time.perf_counter()
     while True:
         elapsed = elapsed_before + time.perf_counter() - run_start
-        stopping = iter_num >= settings["max_iters"] or should_stop(stop_signal, world_size, iter_num, settings, device)
+        # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
+        signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num, settings, device)
+        stopping = signalled or iter_num >= settings["max_iters"]
         evaluated_before_checkpoint = checkpoint is not None and iter_num == checkpoint["iter_num"]
-        if (iter_num % settings["eval_interval"] == 0 or stopping and not stop_signal) and not evaluated_before_checkpoint:
+        if (iter_num % settings["eval_interval"] == 0 or stopping and not signalled) and not evaluated_before_checkpoint:
             losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
             check_finite(losses["val"], iter_num, ckpt_path)
-            with autocast:
+            with autocast, whole_root(raw_model):
                 task_scores = tasks(raw_model) if tasks else {}  # every rank: see task_runner
             if master:
                 say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}" +
                     "".join(f", {name} {value:.4f}" for name, value in task_scores.items()))
                 run_dir.log(dict(iter=iter_num, time=elapsed_before + time.perf_counter() - run_start,
                                  train_loss=losses["train"], val_loss=losses["val"], **task_scores))
-                if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:
-                    best_val_loss = min(best_val_loss, losses["val"])
-                    if iter_num > 0:
-                        run_dir.save(checkpoint_now())
+            if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:  # losses: the same on every rank
+                best_val_loss = min(best_val_loss, losses["val"])
+                if iter_num > 0:
+                    state = checkpoint_now()
+                    if master:
+                        run_dir.save(state)
             time_at_log = time.perf_counter()  # keep evaluation and checkpoint writes out of the ms/iter figures
         if stopping:
-            if stop_signal and master:
-                run_dir.save(checkpoint_now())
-                say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, "
-                    "continue with --init_from=resume")
+            if signalled:
+                state = checkpoint_now()
+                if master:
+                    run_dir.save(state)
+                    say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, "
+                        "continue with --init_from=resume")
             break
 
         # One optimizer step: micro_steps forward/backward passes, gradients all-reduced on the last only.
@@ -483,7 +521,7 @@ def train(settings, run_dir):
         for micro_step in range(micro_steps):
             x, y = loader.next_batch()
             last = micro_step == micro_steps - 1
-            with model.no_sync() if world_size > 1 and not last else contextlib.nullcontext():
+            with gradient_sync(model, enabled=last):
                 with autocast:
                     _, loss = model(x, y)
                 scaler.scale(loss / micro_steps).backward()
@@ -491,6 +529,8 @@ def train(settings, run_dir):
         for optimizer in optimizers:
             scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), settings["grad_clip"] or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm of all shards together, as a DTensor
+            grad_norm = grad_norm.full_tensor()
         lr_scale = lr_multiplier(iter_num, settings)
         for optimizer in optimizers:
             for group in optimizer.param_groups:

@@ -153,11 +153,15 @@ class ShardLoader:
         self._order_key, self._order = None, None
 
     def state_dict(self):
-        """The position of the next window: epoch, index into that epoch's shard order, window within the shard."""
-        return {"epoch": self.epoch, "shard": self.shard, "window": self.window}
+        """The position of the next window: epoch, index into that epoch's shard order, window within the shard
+        (of each rank's share of it, of world_size ranks)."""
+        return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "world_size": self.world_size}
 
     def load_state_dict(self, state):
+        """Resume at a saved position, also with another number of ranks: the windows all ranks took together
+        are the same, so the next global batch is (up to the < W windows skipped at a shard's end)."""
         epoch, shard, window = int(state["epoch"]), int(state["shard"]), int(state["window"])
+        window = window * int(state.get("world_size", self.world_size)) // self.world_size  # older: same ranks
         if not 0 <= shard < len(self.shards) or window < 0:
             raise DataError(f"loader position {state} does not fit the {len(self.shards)} shards of {self.paths[0]} and "
                             "its siblings; the data changed since the checkpoint, resume with the data it was made from")

@@ -222,16 +222,25 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
 
 
 def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(bpe_run, tmp_path):
+    """Under DDP and under FSDP (where the engine's scorers need the root's sharded parameters gathered): both log
+    every evaluation, with the same figures (the same model trained the same way)."""
     pytest.importorskip("lm_eval")
     write_local_tasks(tmp_path)
-    out_dir = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.join(ROOT, "train.py"), "--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1",
-               "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4",
-               "--eval_interval=2", "--gradient_accumulation_steps=2", "--device=cpu", f"--out_dir={out_dir}",
+               "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--dropout=0.0",
+               "--eval_interval=2", "--gradient_accumulation_steps=2", "--device=cpu",
                "--eval_tasks=tiny_choice,tiny_text", f"--eval_tasks_include_path={tmp_path}"]
-    result = subprocess.run(command, cwd=bpe_run, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    evals = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "val_loss" in line]
-    assert [r["iter"] for r in evals] == [0, 2, 4] and all("tiny_text/bits_per_byte" in r for r in evals)
+    procs = {mode: subprocess.Popen(command + [f"--out_dir={tmp_path / mode}", f"--fsdp={mode == 'fsdp'}"], cwd=bpe_run,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for mode in ("ddp", "fsdp")}
+    evals = {}
+    for mode, proc in procs.items():
+        output = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, output
+        evals[mode] = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl") if "val_loss" in line]
+        assert [r["iter"] for r in evals[mode]] == [0, 2, 4]
+        assert all("tiny_text/bits_per_byte" in r for r in evals[mode])
+    for ddp, fsdp in zip(evals["ddp"], evals["fsdp"]):
+        assert fsdp["tiny_text/bits_per_byte"] == pytest.approx(ddp["tiny_text/bits_per_byte"], rel=1e-4)

@@ -166,7 +166,7 @@ def test_checkpoint_holds_everything_a_resume_needs(workdir, trained):
         assert ckpt["meta"] == json.load(f)
     val_losses = [r["val_loss"] for r in records(trained) if "val_loss" in r]
     assert ckpt["best_val_loss"] == min(val_losses)
-    assert set(ckpt["loader"]) == {"epoch", "shard", "window"}
+    assert set(ckpt["loader"]) == {"epoch", "shard", "window", "world_size"}
     assert ckpt["loader"]["window"] == 30 * 4  # 30 iterations of batch_size 4 windows, one shard
 
 

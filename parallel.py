@@ -1,0 +1,125 @@
+"""
+How train.py spreads a model over processes, and what that changes for its checkpoints:
+
+- DDP (the default under torchrun): every process holds the whole model, its gradients and AdamW's state
+  (16 bytes per parameter in fp32), and gradients are averaged across processes after each step's last
+  micro-step.
+- FSDP (fsdp=True; PyTorch's FSDP2, `fully_shard`): each block, then the rest of the model, is sharded across the
+  processes, so each holds 1/N of the parameters, gradients and optimizer state; a block's parameters are
+  gathered just before it runs and freed after. On CUDA the gathered parameters are bf16 (fp16) and gradients
+  are reduced in fp32 (a MixedPrecisionPolicy, instead of autocast).
+- activation_checkpointing=True: each block keeps only its input in the forward pass and recomputes the rest in
+  the backward pass (torch.utils.checkpoint, non-reentrant): a third more compute for far less activation memory.
+
+ckpt.pt keeps one format whatever the run: the full model and optimizer state dicts, gathered to rank 0 on the
+CPU under FSDP (full_model_state, full_optimizer_states), so sample.py, export.py and eval.py read any run, and
+any run resumes under DDP, FSDP or one process, on any number of processes.
+"""
+
+import contextlib
+import functools
+
+import torch
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
+
+
+def checkpoint_blocks(model):
+    """Activation checkpointing: each block's forward runs under torch.utils.checkpoint (this instance only)."""
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def shard(model, param_dtype):
+    """FSDP2: each block, then the root (embedding, final norm and the tied head), sharded in place across the
+    processes. param_dtype: the dtype blocks compute in (float32, or bfloat16/float16 on CUDA); gradients are
+    always reduced in float32."""
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def wrap_ddp(model, device):
+    return DDP(model, device_ids=[int(device.split(":")[1])] if device.startswith("cuda") else None)
+
+
+@contextlib.contextmanager
+def gradient_sync(model, enabled):
+    """Gradients are averaged across processes only where enabled (the last micro-step of a step)."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    with model.no_sync() if isinstance(model, DDP) and not enabled else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def whole_root(model):
+    """Under FSDP, the root's parameters (embedding, final norm, head) gathered while in the block: code that calls
+    the model's parts instead of its forward (the engine's scorers call hidden_states and lm_head) needs them.
+    (FSDP happens to leave the root gathered after a forward pass, and estimate_loss runs one first; that is its
+    internal choice, not promised.) Every rank must enter it; the root is sharded again on the way out."""
+    if isinstance(model, FSDPModule):
+        model.unshard()
+    try:
+        yield
+    finally:
+        if isinstance(model, FSDPModule):
+            model.reshard()
+
+
+def full_model_state(model):
+    """The model's state dict, whole: gathered to rank 0's CPU under FSDP (an empty dict on the other ranks, and
+    every rank must call it), the plain state dict otherwise."""
+    if isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=FULL_ON_CPU)
+    return model.state_dict()
+
+
+def full_optimizer_states(model, optimizers):
+    """Each optimizer's state dict in torch's own format (parameters numbered in the order of its param_groups),
+    gathered to rank 0 under FSDP like full_model_state."""
+    if not isinstance(model, FSDPModule):
+        return [optimizer.state_dict() for optimizer in optimizers]
+    states = [get_optimizer_state_dict(model, optimizer, options=FULL_ON_CPU) for optimizer in optimizers]
+    return [state and by_index(state) for state in states]
+
+
+def load_optimizer_states(model, optimizers, states):
+    """Load full optimizer state dicts (torch's format, as full_optimizer_states returns) into the optimizers,
+    each process keeping its shard of them under FSDP."""
+    for optimizer, state in zip(optimizers, states):
+        if not isinstance(model, FSDPModule):
+            optimizer.load_state_dict(state)
+            continue
+        names = {param: name for name, param in model.named_parameters()}
+        ordered = [names[param] for group in optimizer.param_groups for param in group["params"]]
+        set_optimizer_state_dict(model, optimizer, by_name(state, ordered),
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+# torch.distributed.checkpoint keys the optimizer's state by parameter name, ckpt.pt (torch's own format) by the
+# parameter's number in the order of the param_groups: the two conversions, the one place that knows both
+
+
+def by_index(state):
+    """A name-keyed optimizer state dict in torch's own format."""
+    names = [name for group in state["param_groups"] for name in group["params"]]
+    number = {name: i for i, name in enumerate(names)}
+    return {"state": {number[name]: value for name, value in state["state"].items()},
+            "param_groups": [dict(group, params=[number[name] for name in group["params"]])
+                             for group in state["param_groups"]]}
+
+
+def by_name(state, names):
+    """torch's own optimizer state dict keyed by parameter name instead; names: the name of each parameter, in
+    the order of the param_groups."""
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": [dict(group, params=[names[i] for i in group["params"]])
+                             for group in state["param_groups"]]}
