@@ -157,8 +157,8 @@ def make_optimizers(model, settings, device_type):
     return [adamw, muon]
 
 
-def check_fsdp(settings, world_size, ptdtype):
-    if world_size == 1:
+def check_fsdp(settings, distributed, ptdtype):
+    if not distributed:
         raise TrainError("fsdp=True shards the model across processes: run it under torchrun, e.g. torchrun "
                          "--standalone --nproc_per_node=2 train.py ... --fsdp=True (or drop --fsdp)")
     if settings["optimizer"] == "muon":
@@ -399,7 +399,7 @@ def train(settings, run_dir):
                          f"multiple of the number of processes ({world_size})")
     micro_steps = settings["gradient_accumulation_steps"] // world_size
     if settings["fsdp"]:
-        check_fsdp(settings, world_size, ptdtype)
+        check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (parallel.shard)
 
     out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
@@ -444,7 +444,7 @@ def train(settings, run_dir):
     raw_model = model
     if settings["compile"] and device_type == "cuda" and not settings["fsdp"]:
         model = torch.compile(model)
-    if world_size > 1 and not settings["fsdp"]:
+    if dist.is_initialized() and not settings["fsdp"]:  # under torchrun, one process too (bench/gpu_check.py)
         model = wrap_ddp(model, device)
 
     if master:
