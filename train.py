@@ -395,8 +395,10 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if settings["gradient_accumulation_steps"] % world_size:
-        raise TrainError(f"gradient_accumulation_steps ({settings['gradient_accumulation_steps']}) must be a "
-                         f"multiple of the number of processes ({world_size})")
+        steps = settings["gradient_accumulation_steps"]
+        raise TrainError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
+                         f"({world_size}): it counts the micro-steps of all processes together (global batch = batch_size x it); "
+                         f"pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
     micro_steps = settings["gradient_accumulation_steps"] // world_size
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too

@@ -204,3 +204,13 @@ def test_muon_with_fsdp_is_refused():
 def test_float16_with_fsdp_is_refused():
     with pytest.raises(train.TrainError, match="bfloat16"):
         train.check_fsdp(dict(optimizer="adamw"), True, torch.float16)
+
+
+def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
+    result = subprocess.run([*TORCHRUN, TRAIN, *TINY, f"--out_dir={tmp_path}", "--gradient_accumulation_steps=1"],
+                            cwd=workdir, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and "--gradient_accumulation_steps=2" in errors[0], result.stderr
+    assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
