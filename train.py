@@ -525,7 +525,7 @@ def train(settings, run_dir):
             last = micro_step == micro_steps - 1
             with gradient_sync(model, enabled=last):
                 with autocast:
-                    _, loss = model(x, y)
+                    loss = model(x, y)[1]  # the logits (B, T, V) not kept alive through the backward
                 scaler.scale(loss / micro_steps).backward()
             train_loss += loss.detach().float() / micro_steps
         for optimizer in optimizers:
