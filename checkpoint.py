@@ -31,21 +31,39 @@ def first_line(error):
 
 
 def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda:1")."""
-    if device != "auto":
-        return device
-    return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda:1"). A CUDA device is made the
+    current one: torch.compile, fused AdamW and the caching allocator use the current device, not the one the
+    model was moved to, so --device=cuda:1 would otherwise still touch cuda:0."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
+                                  "use --device=cpu (or auto)")
+        torch.cuda.set_device(device)
+    return device
 
 
 def resolve_dtype(dtype, device):
-    """The torch dtype for a dtype setting: "auto" is bfloat16 on CUDA cards that have it, else float32."""
+    """The torch dtype for a dtype setting. "auto": bfloat16 on CUDA cards of compute capability 8.0 or more
+    (Ampere on), float16 on older ones (T4, V100, RTX 20xx: they only emulate bfloat16, slowly, and SDPA's flash
+    kernel refuses it; training adds loss scaling), float32 on CPU and MPS. bfloat16 asked of an older card is an
+    error, not a slow run."""
+    cuda = device.startswith("cuda")
     if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+        dtype = "float32" if not cuda else "bfloat16" if cuda_capability(device) >= (8, 0) else "float16"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise CheckpointError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    if dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
-        raise CheckpointError(f"this GPU ({torch.cuda.get_device_name(device)}) cannot run bfloat16; use --dtype=float16")
+    if dtype == "bfloat16" and cuda and cuda_capability(device) < (8, 0):
+        major, minor = cuda_capability(device)
+        raise CheckpointError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
+                              "only emulates bfloat16; use --dtype=float16 (or auto)")
     return getattr(torch, dtype)
+
+
+def cuda_capability(device):
+    """(major, minor) compute capability of a CUDA device, e.g. (7, 5) for a T4, (9, 0) for an H100."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 # ----------------------------------------------------------------------------------------------------

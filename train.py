@@ -83,7 +83,18 @@ DEFAULTS = dict(
     seed=1337,
 )
 MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "RTX 4090": 165e12}
+# Dense tensor-core peaks in FLOP/s (no sparsity; fp32 accumulation) as (bfloat16, float16), from NVIDIA's
+# datasheets, keyed by the exact torch.cuda.get_device_name(); None: no bfloat16 tensor cores (auto picks float16)
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": (989e12, 989e12), "NVIDIA H100 PCIe": (756e12, 756e12), "NVIDIA H100 NVL": (835e12, 835e12),
+    "NVIDIA H200": (989e12, 989e12), "NVIDIA H200 NVL": (835e12, 835e12),
+    "NVIDIA A100-SXM4-80GB": (312e12, 312e12), "NVIDIA A100-SXM4-40GB": (312e12, 312e12),
+    "NVIDIA A100 80GB PCIe": (312e12, 312e12), "NVIDIA A100-PCIE-40GB": (312e12, 312e12),
+    "NVIDIA A10": (125e12, 125e12), "NVIDIA L4": (121e12, 121e12), "NVIDIA L40S": (362e12, 362e12),
+    "NVIDIA GeForce RTX 3090": (71e12, 71e12), "NVIDIA GeForce RTX 4090": (165e12, 165e12),
+    "Tesla T4": (None, 65e12), "Tesla V100-SXM2-16GB": (None, 125e12), "Tesla V100-SXM2-32GB": (None, 125e12),
+    "Tesla V100-PCIE-16GB": (None, 112e12), "Tesla V100-PCIE-32GB": (None, 112e12),
+}
 
 
 class TrainError(Exception):
@@ -363,11 +374,10 @@ def task_runner(settings, meta):
     return run
 
 
-def peak_flops(settings, device_type):
-    if settings["peak_flops"] or device_type != "cuda":
-        return settings["peak_flops"] or None
-    name = torch.cuda.get_device_name()
-    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+def peak_flops(gpu_name, dtype):
+    """The peak FLOP/s of a GPU (its exact name) in a dtype, for MFU; None if the table does not have it."""
+    bf16, fp16 = PEAK_FLOPS.get(gpu_name, (None, None))
+    return {torch.bfloat16: bf16, torch.float16: fp16}.get(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -459,7 +469,13 @@ def train(settings, run_dir):
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
-    peak = peak_flops(settings, device_type)
+    peak = settings["peak_flops"] or None
+    if peak is None and device_type == "cuda":
+        gpu = torch.cuda.get_device_name()
+        peak = peak_flops(gpu, ptdtype)
+        if peak is None and master:
+            print(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in train.PEAK_FLOPS; pass "
+                  "--peak_flops=<its dense FLOP/s> to see MFU")
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * settings["gradient_accumulation_steps"]
     if master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "

@@ -579,3 +579,25 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert adamw_groups == {0.1: {"embed_tokens.weight", "lm_head.weight"}, 0.0: no_decay}
     with pytest.raises(train.TrainError, match="optimizer"):
         train.make_optimizers(model, dict(settings, optimizer="sgd"), "cpu")
+
+
+# ----------------------------------------------------------------------------------------------------
+# MFU's peak
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),  # SXM
+    ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),  # not the SXM's figure, though the name holds "H100"
+    ("NVIDIA H100 NVL", torch.bfloat16, 835e12),
+    ("NVIDIA A100-SXM4-40GB", torch.bfloat16, 312e12),
+    ("NVIDIA A10", torch.float16, 125e12),
+    ("NVIDIA L40S", torch.bfloat16, 362e12),
+    ("NVIDIA GeForce RTX 3090", torch.bfloat16, 71e12),
+    ("Tesla T4", torch.float16, 65e12),
+    ("Tesla T4", torch.bfloat16, None),  # no bfloat16 tensor cores: no honest peak
+    ("Tesla V100-SXM2-32GB", torch.float16, 125e12),
+    ("NVIDIA H100 80GB HBM3", torch.float32, None),
+    ("NVIDIA B200", torch.bfloat16, None),  # not in the table: no MFU, and train.py says to pass --peak_flops
+])
+def test_each_gpu_name_gets_its_own_peak(name, dtype, peak):
+    assert train.peak_flops(name, dtype) == peak
