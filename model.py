@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 
@@ -270,12 +271,23 @@ class GPT(nn.Module):
         ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
         return Positions(ids, self.config.head_dim, self.config.rope_base)
 
-    def forward(self, idx, targets=None, kv_cache=None, input_pos=None):
+    def forward(self, idx, targets=None, kv_cache=None, input_pos=None, loss_chunk=0):
         """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;
-        -1 is ignored) or None. input_pos: see hidden_states."""
-        logits = self.lm_head(self.hidden_states(idx, kv_cache, input_pos))
+        -1 is ignored) or None. input_pos: see hidden_states. loss_chunk: see chunked_loss (logits are then None)."""
+        hidden = self.hidden_states(idx, kv_cache, input_pos)
+        if targets is not None and loss_chunk:
+            return None, self.chunked_loss(hidden.flatten(0, 1), targets.flatten(), loss_chunk)
+        logits = self.lm_head(hidden)
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    def chunked_loss(self, hidden, targets, chunk):  # hidden (N, C), targets (N,): the same loss in less memory
+        """B x T x vocab logits are a step's largest tensors (13 GB in fp32 at GPT-2's vocab and 64 x 1024 tokens);
+        here only chunk x vocab exist at once, each chunk's recomputed in the backward pass (one more head run)."""
+        def loss_sum(h, t):
+            return F.cross_entropy(self.lm_head(h).float(), t, ignore_index=-1, reduction="sum")
+        return sum(checkpoint(loss_sum, hidden[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+                   for i in range(0, len(targets), chunk)) / (targets != -1).sum()
 
     def new_kv_cache(self, batch_size, max_len, dtype=None, device=None, static=False):
         """An empty KV cache for batch_size sequences of max_len tokens (static: see KVCache); bf16 autocast: dtype=bf16."""

@@ -57,6 +57,7 @@ DEFAULTS = dict(
     # data
     dataset="shakespeare_char",  # a folder under data/
     batch_size=12,  # sequences per micro-step and process
+    loss_chunk=0,  # > 0: the output head and loss on this many positions at a time (less memory; model.chunked_loss)
     gradient_accumulation_steps=1,  # micro-steps per optimizer step, over all processes together
     **MODEL_DEFAULTS,  # every GPTConfig field (see model.py); block_size is also the training context
     # optimizer: AdamW for everything, or Muon for the matrices inside the blocks and AdamW for the rest
@@ -222,7 +223,7 @@ def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
         for _ in range(n_batches):
             x, y = loader.next_batch()
             with autocast:
-                total += model(x, y)[1].float()
+                total += model(x, y, loss_chunk=settings["loss_chunk"])[1].float()
         if world_size > 1:
             dist.all_reduce(total)
         losses[split] = total.item() / (n_batches * world_size)
@@ -541,7 +542,7 @@ def train(settings, run_dir):
             last = micro_step == micro_steps - 1
             with gradient_sync(model, enabled=last):
                 with autocast:
-                    loss = model(x, y)[1]  # the logits (B, T, V) not kept alive through the backward
+                    loss = model(x, y, loss_chunk=settings["loss_chunk"])[1]  # logits not kept through the backward
                 scaler.scale(loss / micro_steps).backward()
             train_loss += loss.detach().float() / micro_steps
         for optimizer in optimizers:

@@ -110,7 +110,7 @@ def worker(args):
 
     def forward():
         tokens = torch.randint(config.vocab_size, (args.batch_size, args.block_size + 1), generator=generator)
-        return model(tokens[:, :-1].to(device), tokens[:, 1:].to(device))[1]
+        return model(tokens[:, :-1].to(device), tokens[:, 1:].to(device), loss_chunk=args.loss_chunk)[1]
 
     for _ in range(args.steps - 1):  # AdamW's state, DDP's rebuilt buckets, one-time costs: all there after these
         forward().backward()
@@ -203,6 +203,8 @@ def main():
     parser.add_argument("--batch_size", type=int, default=2)
     parser.add_argument("--block_size", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2, help="training steps, the last measured (>= 2)")
+    parser.add_argument("--loss_chunk", type=int, default=0, help="train.py's loss_chunk: the head's positions "
+                        "at a time (0: all at once)")
     parser.add_argument("--glibc_heap", action="store_true",
                         help="leave glibc's malloc as it is (freed tensors may stay in its heap, counted in RSS)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one case's process (internal)
@@ -220,7 +222,7 @@ def main():
 
     model_argv = [f"--{key}={getattr(args, key)}" for key in
                   ("device", "n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size", "batch_size", "block_size",
-                   "steps")]
+                   "steps", "loss_chunk")]
     print(machine())
     malloc = worker_env(args).get("MALLOC_MMAP_THRESHOLD_") or "unset (glibc default)"
     print(f"model: {args.n_layer} layers, {args.n_embd} wide, vocab {args.vocab_size}, fp32; {args.batch_size} x "

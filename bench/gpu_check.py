@@ -31,7 +31,8 @@ import torch
 
 from files import atomic_open
 
-GPT2_SHAPE = ["--n_layer=12", "--n_head=12", "--n_kv_head=4", "--n_embd=768", "--block_size=1024", "--vocab_size=50304"]
+GPT2_SHAPE = ["--n_layer=12", "--n_head=12", "--n_kv_head=4", "--n_embd=768", "--block_size=1024", "--vocab_size=50304",
+              "--loss_chunk=8192"]  # as config/gpt2_124m.py
 TINY_SHAPE = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--block_size=64", "--vocab_size=128"]
 SPEED = re.compile(r"(\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s\)")
 

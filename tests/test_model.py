@@ -446,3 +446,38 @@ def test_bad_sampling_settings(kwargs, message):
 def test_kv_cache_is_plain_and_preallocated():
     cache = KVCache(n_layer=2, batch_size=3, n_kv_head=1, max_len=5, head_dim=4)
     assert cache.k.shape == (2, 3, 1, 5, 4) and cache.pos == 0 and cache.max_len == 5
+
+
+# ----------------------------------------------------------------------------------------------------
+# The chunked loss
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 48, 1000])  # 48 = B x T: one chunk; 7 divides nothing; 1000 > B x T
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk, tied):
+    """With ignored targets (-1), in fp32: the same loss and every gradient within 1e-6."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=200, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=32,
+                          tie_embeddings=tied, dropout=0.0))
+    x, y = torch.randint(0, 200, (3, 16)), torch.randint(0, 200, (3, 16))
+    y[0, :5], y[2, -3:] = -1, -1
+    results = []
+    for loss_chunk in (0, chunk):
+        model.zero_grad()
+        logits, loss = model(x, y, loss_chunk=loss_chunk)
+        loss.backward()
+        results.append((logits, loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_logits, plain_loss, plain_grads), (chunked_logits, chunked_loss, chunked_grads) = results
+    assert plain_logits.shape == (3, 16, 200) and chunked_logits is None  # the point: no B x T x V tensor
+    assert abs(chunked_loss - plain_loss) < 1e-6
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_chunked_loss_holds_one_chunk_of_logits_at_a_time():
+    """The head sees chunk rows per call, and each chunk twice (forward, then recomputed in the backward)."""
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    rows = []
+    model.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
+    model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)), loss_chunk=10)[1].backward()
+    assert rows[:4] == [10, 10, 10, 2] and sorted(rows[4:]) == [2, 10, 10, 10]  # the backward: last chunk first

@@ -601,3 +601,15 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
 ])
 def test_each_gpu_name_gets_its_own_peak(name, dtype, peak):
     assert train.peak_flops(name, dtype) == peak
+
+
+def test_a_run_with_a_chunked_loss_trains_as_the_plain_one(workdir, tmp_path):
+    """train.py's loss_chunk changes memory, not the run: the same logged losses (model.chunked_loss)."""
+    for name, chunk in (("plain", 0), ("chunked", 37)):
+        train_main(workdir, str(tmp_path / name), "--max_iters=4", "--eval_interval=2", f"--loss_chunk={chunk}")
+    plain, chunked = records(str(tmp_path / "plain")), records(str(tmp_path / "chunked"))
+    assert [r["iter"] for r in chunked] == [r["iter"] for r in plain]
+    for p, c in zip(plain, chunked):
+        for key in ("loss", "train_loss", "val_loss", "grad_norm"):
+            if key in p:
+                assert abs(p[key] - c[key]) < 1e-5, (key, p, c)
