@@ -6,8 +6,9 @@
 # iterations = 10B tokens, one pass over sample-10BT. The model has 114M parameters (GQA and the tied
 # embedding make it smaller than GPT-2's 124M) and costs ~800 MFLOPs per token; at 50% MFU on 8 x H100
 # that is about 5M tokens/s, so roughly 35 minutes; on 8 x A100, about 2 hours. Val loss should end near
-# 3.3, where llm.c's GPT-2 (124M) ends on the same data (3.28). Fewer GPUs work unchanged: the gradient
-# accumulation steps (a multiple of the GPU count) keep the global batch.
+# 3.3, where llm.c's GPT-2 (124M) ends on the same data (3.28). 1, 2, 4 or 8 GPUs work unchanged: the 8
+# accumulation steps are split among them and keep the global batch. On 3, 6 or 7 GPUs pass a multiple of the
+# count, e.g. --gradient_accumulation_steps=6 (a smaller global batch) or 12 (larger); train.py says so.
 out_dir = "out-gpt2-124m"
 dataset = "fineweb"
 eval_interval = 500
