@@ -263,8 +263,8 @@ def poison_loss_after(monkeypatch, n_good, ckpt_path):
     the first NaN are recorded in the returned dict."""
     forward, state = model_module.GPT.forward, {"calls": 0, "ckpt_at_nan": "not reached"}
 
-    def nan_forward(self, idx, targets=None, kv_cache=None):
-        logits, loss = forward(self, idx, targets, kv_cache)
+    def nan_forward(self, idx, targets=None, kv_cache=None, **kwargs):
+        logits, loss = forward(self, idx, targets, kv_cache, **kwargs)
         if self.training and targets is not None:
             state["calls"] += 1
             if state["calls"] > n_good:
