@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
-from bench_sample import MODES, cpu_model, in_mode, machine
+from bench_sample import MODES, cpu_model, in_mode, machine, settings_for
 from checkpoint import load_checkpoint, model_from_checkpoint
 from engine import decode_batch, token_predictions
 from eval import bits_per_byte, val_tokens
@@ -44,8 +44,7 @@ class TokenRecorder:
 def greedy_continuation(model, prompt, n_new, vocab_size):
     """prompt + n_new tokens of float32 greedy decoding, through the engine (the window slides past block_size)."""
     recorder = TokenRecorder(vocab_size)
-    settings = dict(num_samples=1, max_new_tokens=n_new, temperature=0.0, top_k=None, top_p=None,
-                    no_kv_cache=False, compile=False)
+    settings = settings_for(1, n_new)  # greedy, as sample.py --temperature=0
     decode_batch(model, prompt, settings, recorder, torch.Generator().manual_seed(0))
     return prompt + recorder.tokens
 

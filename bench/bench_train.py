@@ -12,7 +12,6 @@ own, so no real run is overwritten), replacing what an earlier run left there (-
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import torch
 
 from configurator import ConfigError, configure
 from data.shards import DataError, find_shards
+from bench_sample import cpu_model
 from train import DEFAULTS
 
 WARMUP_LOGS = 2  # the first logs carry one-time costs (allocator warm-up; torch.compile on CUDA)
@@ -32,10 +32,7 @@ TRAIN_LOG_LINE = re.compile(r"iter \d+: loss ")  # train.py's per-log line: the 
 
 
 def machine():
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    cpu = cpu_model()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     load = f", load average {os.getloadavg()[0]:.2f} at start" if hasattr(os, "getloadavg") else ""
     return (f"machine: {cpu}, {os.cpu_count()} cores{load}\n"

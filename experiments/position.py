@@ -84,6 +84,21 @@ def val_batch(tokenizer, text_path, batch_size, block_size):
     return tokens[:batch_size * block_size].view(batch_size, block_size)
 
 
+def model_and_val_batch(out_dir, text, batch_size):
+    """(the trained model of out_dir, idx: val_batch of text in its tokens); a bad folder or text ends the run
+    with a one-line error."""
+    try:
+        model, meta = load_model(out_dir)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    if not os.path.isfile(text):
+        sys.exit(f"error: --text {text}: no such file")
+    try:
+        return model, val_batch(Tokenizer(meta), text, batch_size, model.config.block_size)
+    except TokenizerError as e:
+        sys.exit(f"error: --text {text} does not suit {out_dir}'s tokenizer: {e}")
+
+
 def cpu_model():
     try:
         with open("/proc/cpuinfo") as f:
@@ -113,18 +128,9 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    try:
-        trained, meta = load_model(args.out_dir)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-    if not os.path.isfile(args.text):
-        sys.exit(f"error: --text {args.text}: no such file")
+    trained, idx = model_and_val_batch(args.out_dir, args.text, args.batch_size)
     torch.manual_seed(args.seed)
     random_init = GPT(trained.config).eval()  # same shape, GPT-2 init: equivariance is architecture, not training
-    try:
-        idx = val_batch(Tokenizer(meta), args.text, args.batch_size, trained.config.block_size)
-    except TokenizerError as e:
-        sys.exit(f"error: --text {args.text} does not suit {args.out_dir}'s tokenizer: {e}")
     perm = torch.randperm(idx.size(1))  # one shuffle of the T positions, the same for every row
 
     print(f"cpu: {cpu_model()}, torch {torch.__version__}")

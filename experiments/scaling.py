@@ -27,10 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
-from checkpoint import CheckpointError, load_model
-from experiments.position import cpu_model, val_batch  # the same input text, the same machine line
+from experiments.position import cpu_model, model_and_val_batch  # the same input text, the same machine line
 from model import CausalSelfAttention
-from tokenizer import Tokenizer, TokenizerError
 
 HEAD_DIMS = [16, 64, 256]  # and the trained model's own
 
@@ -136,16 +134,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    try:
-        model, meta = load_model(args.out_dir)
-    except CheckpointError as e:
-        sys.exit(f"error: {e}")
-    if not os.path.isfile(args.text):
-        sys.exit(f"error: --text {args.text}: no such file")
-    try:
-        idx = val_batch(Tokenizer(meta), args.text, args.batch_size, model.config.block_size)
-    except TokenizerError as e:
-        sys.exit(f"error: --text {args.text} does not suit {args.out_dir}'s tokenizer: {e}")
+    model, idx = model_and_val_batch(args.out_dir, args.text, args.batch_size)
 
     print(f"cpu: {cpu_model()}, torch {torch.__version__}")
     print_random_table(HEAD_DIMS, model.config.head_dim, args.n, args.T, args.seed)
