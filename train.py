@@ -59,6 +59,7 @@ DEFAULTS = dict(
     batch_size=12,  # sequences per micro-step and process
     loss_chunk=0,  # > 0: the output head and loss on this many positions at a time (less memory; model.chunked_loss)
     gradient_accumulation_steps=1,  # micro-steps per optimizer step, over all processes together
+    total_batch_size=0,  # > 0: tokens per optimizer step over all processes; the accumulation follows from it
     **MODEL_DEFAULTS,  # every GPTConfig field (see model.py); block_size is also the training context
     # optimizer: AdamW for everything, or Muon for the matrices inside the blocks and AdamW for the rest
     optimizer="adamw",  # "adamw" or "muon"
@@ -167,6 +168,36 @@ def make_optimizers(model, settings, device_type):
     muon = torch.optim.Muon(hidden_matrices, lr=settings["learning_rate"], weight_decay=settings["weight_decay"],
                             adjust_lr_fn="match_rms_adamw")
     return [adamw, muon]
+
+
+def micro_steps_per_process(settings, world_size):
+    """Forward/backward passes per process and optimizer step. The global batch is total_batch_size tokens when
+    that is set (nanochat's way: the same run on any process count that divides it), else batch_size x block_size
+    x gradient_accumulation_steps (nanoGPT's way: the steps count the micro-steps of all processes together)."""
+    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
+    if not total:
+        steps = settings["gradient_accumulation_steps"]
+        if steps % world_size:
+            raise TrainError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
+                             f"({world_size}): it counts the micro-steps of all processes together (global batch = "
+                             f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
+        return steps // world_size
+    if settings["gradient_accumulation_steps"] != 1:
+        raise TrainError(f"total_batch_size ({total}) and gradient_accumulation_steps ({settings['gradient_accumulation_steps']}) "
+                         "both set the global batch; pass one of them (--total_batch_size=0 turns the first off)")
+    per_micro_step = batch * block * world_size  # tokens of one micro-step on every process
+    nearest = f"--total_batch_size={per_micro_step * max(1, round(total / per_micro_step))}"
+    if total % block:
+        raise TrainError(f"total_batch_size ({total}) must be a multiple of block_size ({block}); pass {nearest}")
+    sequences = total // block  # per optimizer step, over all processes
+    if sequences % (batch * world_size) == 0:
+        return sequences // (batch * world_size)
+    fits = [b for b in range(batch, 0, -1) if sequences % (b * world_size) == 0]
+    counts = [n for n in range(1, sequences // batch + 1) if sequences % (batch * n) == 0]
+    what_to_pass = f"--batch_size={fits[0]} (the same global batch)" if fits else nearest
+    elsewhere = f", or run on {', '.join(map(str, counts))} process{'es' * (counts != [1])}" if counts else ""
+    raise TrainError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into micro-batches "
+                     f"of batch_size {batch} on {world_size} processes; on {world_size} pass {what_to_pass}{elsewhere}")
 
 
 def check_fsdp(settings, distributed, ptdtype):
@@ -405,12 +436,8 @@ def train(settings, run_dir):
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if settings["gradient_accumulation_steps"] % world_size:
-        steps = settings["gradient_accumulation_steps"]
-        raise TrainError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
-                         f"({world_size}): it counts the micro-steps of all processes together (global batch = batch_size x it); "
-                         f"pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
-    micro_steps = settings["gradient_accumulation_steps"] // world_size
+    compiling = settings["compile"] and device_type == "cuda"  # torch.compile is used on CUDA only
+    micro_steps = micro_steps_per_process(settings, world_size)
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (parallel.shard)
@@ -438,7 +465,7 @@ def train(settings, run_dir):
     if settings["activation_checkpointing"]:
         checkpoint_blocks(model)
     if settings["fsdp"]:
-        if settings["compile"] and device_type == "cuda":
+        if compiling:
             for block in model.layers:
                 block.compile()  # each block on its own, before sharding, as torchtitan does
         model = shard(model, ptdtype)
@@ -455,7 +482,7 @@ def train(settings, run_dir):
             group["base_lr"] = settings["learning_rate"]
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
     raw_model = model
-    if settings["compile"] and device_type == "cuda" and not settings["fsdp"]:
+    if compiling and not settings["fsdp"]:
         model = torch.compile(model)
     if dist.is_initialized() and not settings["fsdp"]:  # under torchrun, one process too (bench/gpu_check.py)
         model = wrap_ddp(model, device)
@@ -477,7 +504,7 @@ def train(settings, run_dir):
         if peak is None and master:
             print(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in train.PEAK_FLOPS; pass "
                   "--peak_flops=<its dense FLOP/s> to see MFU")
-    tokens_per_iter = settings["batch_size"] * settings["block_size"] * settings["gradient_accumulation_steps"]
+    tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
     if master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
               f"{world_size} process(es) on {device}, {ptdtype}")
@@ -501,7 +528,8 @@ def train(settings, run_dir):
             print(text, flush=True)  # so that a log file or pipe gets each line as it happens
 
     train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
-    steps_since_log, time_at_log = 0, time.perf_counter()
+    steps_since_log, timed_steps, time_at_log = 0, 0, time.perf_counter()
+    first_step_s = None  # this run's first step, timed alone (it compiles and warms up): logged once, out of ms/iter
     while True:
         elapsed = elapsed_before + time.perf_counter() - run_start
         # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
@@ -560,6 +588,13 @@ def train(settings, run_dir):
             optimizer.zero_grad(set_to_none=True)
         iter_num += 1
         steps_since_log += 1
+        if first_step_s is None:
+            first_step_s = time_first_step(time_at_log, device_type)
+            time_at_log = time.perf_counter()
+            if master and compiling:
+                say(f"first step: {first_step_s:.1f} s, torch.compile included; ms/iter leaves it out")
+        else:
+            timed_steps += 1
         if progress_bar:
             progress_bar.update(1)
 
@@ -571,29 +606,52 @@ def train(settings, run_dir):
             check_finite(mean_loss, iter_num, ckpt_path)
             now = time.perf_counter()
             elapsed = elapsed_before + now - run_start
-            ms_per_iter = 1000 * (now - time_at_log) / steps_since_log
             record = dict(iter=iter_num, time=elapsed, loss=mean_loss, lr=settings["learning_rate"] * lr_scale,
-                          grad_norm=grad_norm.item(), ms_per_iter=ms_per_iter,
-                          tokens_per_sec=tokens_per_iter * 1000 / ms_per_iter)
-            if peak:
-                record["mfu"] = raw_model.estimate_mfu(record["tokens_per_sec"], peak * world_size, settings["block_size"])
+                          grad_norm=grad_norm.item())
+            if timed_steps < steps_since_log:  # this interval held the first step
+                record["first_step_s"] = first_step_s
+            if timed_steps:  # none when this interval held only the first step
+                record["ms_per_iter"] = 1000 * (now - time_at_log) / timed_steps
+                record["tokens_per_sec"] = tokens_per_iter * 1000 / record["ms_per_iter"]
+                if peak:
+                    record["mfu"] = raw_model.estimate_mfu(record["tokens_per_sec"], peak * world_size, settings["block_size"])
+            if device_type == "cuda":
+                record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9  # since the run started
             if master:
                 run_dir.log(record)
-                figures = f"loss {mean_loss:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}, " \
-                          f"{ms_per_iter:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s" + \
-                          (f", MFU {100 * record['mfu']:.1f}%" if peak else "")
+                figures = log_line(record)
                 if progress_bar:
                     progress_bar.set_postfix_str(figures)
                 else:
                     say(f"iter {iter_num}: {figures}")
             train_loss.zero_()
-            steps_since_log, time_at_log = 0, time.perf_counter()
+            steps_since_log, timed_steps, time_at_log = 0, 0, time.perf_counter()
 
     if progress_bar:
         progress_bar.close()
     if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
         dist.destroy_process_group()
+
+
+def time_first_step(start, device_type):
+    if device_type == "cuda":
+        torch.cuda.synchronize()  # the GPU may still be running the step the CPU has queued
+    return time.perf_counter() - start
+
+
+def log_line(record):
+    """A log record's figures as the line printed for it."""
+    line = f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}"
+    if "first_step_s" in record:
+        line += f", first step {record['first_step_s']:.1f} s"
+    if "ms_per_iter" in record:
+        line += f", {record['ms_per_iter']:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s"
+    if "mfu" in record:
+        line += f", MFU {100 * record['mfu']:.1f}%"
+    if "peak_memory_gb" in record:
+        line += f", peak memory {record['peak_memory_gb']:.1f} GB"
+    return line
 
 
 def should_stop(stop_signal, world_size, iter_num, settings, device):

@@ -6,9 +6,9 @@
 # iterations = 10B tokens, one pass over sample-10BT. The model has 114M parameters (GQA and the tied
 # embedding make it smaller than GPT-2's 124M) and costs ~800 MFLOPs per token; at 50% MFU on 8 x H100
 # that is about 5M tokens/s, so roughly 35 minutes; on 8 x A100, about 2 hours. Val loss should end near
-# 3.3, where llm.c's GPT-2 (124M) ends on the same data (3.28). 1, 2, 4 or 8 GPUs work unchanged: the 8
-# accumulation steps are split among them and keep the global batch. On 3, 6 or 7 GPUs pass a multiple of the
-# count, e.g. --gradient_accumulation_steps=6 (a smaller global batch) or 12 (larger); train.py says so.
+# 3.3, where llm.c's GPT-2 (124M) ends on the same data (3.28). 1, 2, 4 or 8 GPUs run it unchanged, each doing
+# 8, 4, 2 or 1 micro-steps of 64 x 1024 per iteration: the global batch stays 524,288 tokens. 3, 5, 6 or 7 GPUs
+# cannot split 512 sequences evenly; train.py stops and names a total_batch_size that works there.
 out_dir = "out-gpt2-124m"
 dataset = "fineweb"
 eval_interval = 500
@@ -17,10 +17,10 @@ log_interval = 10
 wandb_project = "gpt2-124m"
 wandb_run_name = "gpt2-124m"
 
-batch_size = 64  # per GPU and micro-step; lower it (and raise the accumulation) if memory runs out
+total_batch_size = 524288  # tokens per iteration over all GPUs (2**19, GPT-3 small's 0.5M); accumulation follows
+batch_size = 64  # per GPU and micro-step; lower it if memory runs out (more micro-steps, the same global batch)
 loss_chunk = 8192  # the head's logits 8192 positions at a time: 1.6 GB in fp32 instead of 13 GB for 64 x 1024
 block_size = 1024
-gradient_accumulation_steps = 8  # over all GPUs: 8 GPUs x 1 micro-step each
 
 n_layer = 12
 n_head = 12

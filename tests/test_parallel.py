@@ -68,7 +68,9 @@ def runs(workdir, tmp_path_factory):
     for source, target in (("fsdp_3", "fsdp_3_fsdp"), ("fsdp_3", "fsdp_3_single"), ("single_3", "single_3_fsdp")):
         subprocess.run(["cp", "-r", dirs[source], dirs[target]], check=True)
     resume = ["--max_iters=6", "--init_from=resume"]
-    with torchrun(workdir, dirs["ddp"], logs["ddp"], "--max_iters=6") as ddp, \
+    # DDP's global batch given in tokens (train.micro_steps_per_process), the others' in micro-steps: 2 x 4 x 32
+    ddp_batch = ["--gradient_accumulation_steps=1", "--total_batch_size=256"]
+    with torchrun(workdir, dirs["ddp"], logs["ddp"], "--max_iters=6", *ddp_batch) as ddp, \
             torchrun(workdir, dirs["fsdp_3_fsdp"], logs["fsdp_3_fsdp"], *resume, "--fsdp=True") as fsdp_resumed:
         with in_dir(workdir):
             train.main(RUN + [f"--out_dir={dirs['fsdp_3_single']}", *resume])
@@ -80,8 +82,9 @@ def runs(workdir, tmp_path_factory):
 
 
 def test_fsdp_ddp_and_one_process_train_the_same_model(runs):
-    """The same global batch (2 processes x 1 micro-step, or 1 x 2), the same losses and final weights within 1e-5
-    (fp32; the sums run in another order). Measured: 7.3e-6 at most in the weights after 6 AdamW steps."""
+    """The same global batch (2 processes x 1 micro-step, or 1 x 2; DDP's set as total_batch_size), the same losses
+    and final weights within 1e-5 (fp32; the sums run in another order). Measured: 7.3e-6 at most in the weights
+    after 6 AdamW steps."""
     assert_same_run(runs["fsdp"], runs["single"], 1e-5)
     assert_same_run(runs["ddp"], runs["single"], 1e-5)
 

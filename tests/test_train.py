@@ -34,7 +34,7 @@ TRAIN = os.path.join(ROOT, "train.py")
 TINY = ["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32", "--block_size=32",
         "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--compile=False", "--device=cpu",
         "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4"]
-TIME_KEYS = {"time", "ms_per_iter", "tokens_per_sec", "mfu"}  # wall-clock figures, not reproducible
+TIME_KEYS = {"time", "ms_per_iter", "tokens_per_sec", "mfu", "first_step_s"}  # wall-clock figures, not reproducible
 
 
 @pytest.fixture(scope="module")
@@ -613,3 +613,73 @@ def test_a_run_with_a_chunked_loss_trains_as_the_plain_one(workdir, tmp_path):
         for key in ("loss", "train_loss", "val_loss", "grad_norm"):
             if key in p:
                 assert abs(p[key] - c[key]) < 1e-5, (key, p, c)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The global batch and the timing of steps
+
+
+def gpt2_124m_settings(**overrides):
+    from configurator import configure
+
+    with in_dir(ROOT):
+        return configure(train.DEFAULTS, ["config/gpt2_124m.py", *(f"--{k}={v}" for k, v in overrides.items())])
+
+
+def global_batch(settings, world_size):
+    """Tokens per optimizer step that world_size processes train with these settings."""
+    micro_steps = train.micro_steps_per_process(settings, world_size)
+    return micro_steps * world_size * settings["batch_size"] * settings["block_size"]
+
+
+def test_the_124m_global_batch_holds_on_every_process_count_that_divides_it():
+    settings = gpt2_124m_settings()
+    assert {n: train.micro_steps_per_process(settings, n) for n in (1, 2, 4, 8)} == {1: 8, 2: 4, 4: 2, 8: 1}
+    assert all(global_batch(settings, n) == 524288 for n in (1, 2, 4, 8))
+    assert global_batch(gpt2_124m_settings(batch_size=16), 8) == 524288  # a smaller micro-batch: more micro-steps
+
+
+@pytest.mark.parametrize("world_size, overrides", [(3, {}), (6, {}), (7, {}), (2, dict(batch_size=48)),
+                                                   (1, dict(total_batch_size=1000)), (3, dict(batch_size=24))])
+def test_a_global_batch_that_does_not_split_names_what_to_pass_and_that_works(world_size, overrides):
+    settings = gpt2_124m_settings(**overrides)
+    with pytest.raises(train.TrainError) as e:
+        train.micro_steps_per_process(settings, world_size)
+    message = str(e.value)
+    assert "\n" not in message
+    key, value = re.search(r"pass --(\w+)=(\d+)", message).groups()
+    fixed = dict(settings, **{key: int(value)})
+    assert global_batch(fixed, world_size) == fixed["total_batch_size"]  # what it says to pass runs
+    if "run on" in message:  # and the process counts it names do too
+        counts = [int(n) for n in re.search(r"run on ([\d, ]+) process", message).group(1).split(", ")]
+        assert counts and all(global_batch(settings, n) == settings["total_batch_size"] for n in counts)
+
+
+def test_total_batch_size_and_accumulation_steps_together_are_refused():
+    with pytest.raises(train.TrainError, match="pass one of them"):
+        train.micro_steps_per_process(gpt2_124m_settings(gradient_accumulation_steps=2), 1)
+
+
+def test_the_first_step_is_timed_alone_and_left_out_of_ms_per_iter(workdir, tmp_path, monkeypatch):
+    """The first step compiles (CUDA) and warms up: a slow first step (here a 2 s sleep in its forward pass) is logged
+    once as first_step_s and not in the throughput of its log interval."""
+    forward, calls = model_module.GPT.forward, []
+
+    def slow_first_forward(self, *args, **kwargs):
+        if self.training:
+            calls.append(1)
+            if len(calls) == 1:
+                time.sleep(2.0)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_module.GPT, "forward", slow_first_forward)
+    for log_interval in (2, 1):
+        out_dir = str(tmp_path / f"log_{log_interval}")
+        calls.clear()
+        train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=100", f"--log_interval={log_interval}")
+        logs = [r for r in records(out_dir) if "loss" in r]
+        assert [r["iter"] for r in logs] == list(range(log_interval, 7, log_interval))
+        assert logs[0]["first_step_s"] >= 2.0 and all("first_step_s" not in r for r in logs[1:])
+        timed = logs[1:] if log_interval == 1 else logs  # an interval of the first step alone has no throughput
+        assert all(r["ms_per_iter"] < 500 for r in timed), timed  # with the first step: >= 1000
+        assert log_interval > 1 or "ms_per_iter" not in logs[0]
