@@ -34,9 +34,9 @@ def tiny_model(**overrides):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_weights_times_v_are_the_models_attention_output(name):
-    model = tiny_model(**CONFIGS[name])
-    idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+def test_weights_times_v_are_the_models_attention_output(name, device):
+    model = tiny_model(**CONFIGS[name]).to(device)
+    idx = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1)).to(device)
     values, outputs = [], []  # per layer: v_proj's output and o_proj's input (the attention output), as computed
     hooks = [layer.self_attn.v_proj.register_forward_hook(lambda m, a, out: values.append(out)) for layer in model.layers]
     hooks += [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: outputs.append(a[0])) for layer in model.layers]
@@ -47,10 +47,11 @@ def test_weights_times_v_are_the_models_attention_output(name):
         hook.remove()
     assert torch.equal(logits, plain)  # capturing changes nothing
     config, (B, T) = model.config, idx.shape
-    visible = can_attend(torch.arange(T)[:, None], torch.arange(T)[None, :], config)
+    positions = torch.arange(T, device=device)
+    visible = can_attend(positions[:, None], positions[None, :], config)
     for w, v, y in zip(weights, values[len(model.layers):], outputs[len(model.layers):]):
         assert w.shape == (B, config.n_head, T, T)
-        assert torch.allclose(w.sum(-1), torch.ones(B, config.n_head, T), atol=1e-6)
+        assert torch.allclose(w.sum(-1), torch.ones(B, config.n_head, T, device=device), atol=1e-6)
         assert torch.all(w[..., ~visible] == 0) and torch.all(w[..., visible] > 0)
         v = v.view(B, T, config.n_kv_head, config.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v.repeat_interleave(config.n_head // config.n_kv_head, dim=1)  # query head h reads kv head h // group
@@ -91,11 +92,11 @@ def checkpoint_dir(tmp_path_factory):
     return folder
 
 
-def test_command_writes_the_picture_and_the_statistics(checkpoint_dir, tmp_path, capsys):
+def test_command_writes_the_picture_and_the_statistics(checkpoint_dir, tmp_path, capsys, device):
     pytest.importorskip("matplotlib")
     out, stats = tmp_path / "maps.png", tmp_path / "stats.json"
     attention.main([f"--out_dir={checkpoint_dir}", f"--prompt={TEXT[:12]}", "--layers=1", "--heads=2,3",
-                    f"--out={out}", f"--json={stats}", "--device=cpu"])
+                    f"--out={out}", f"--json={stats}", f"--device={device}"])
     assert out.read_bytes()[:4] == b"\x89PNG"
     record = json.loads(stats.read_text())
     assert list(record["heads"]) == ["layer 1 head 2", "layer 1 head 3"] and len(record["tokens"]) == 12

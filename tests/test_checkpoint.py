@@ -22,16 +22,18 @@ def expected():
         return json.load(f)
 
 
-def test_a_checkpoint_from_before_the_restructure_gives_the_same_logits():
+def test_a_checkpoint_from_before_the_restructure_gives_the_same_logits(device):
     old = expected()
-    model, meta = load_model(os.path.join(OLD, "ckpt.pt"))
+    model, meta = load_model(os.path.join(OLD, "ckpt.pt"), device)
     assert meta["tokenizer"] == "char" and meta["chars"][old["prompt_ids"][0]] == old["prompt"][0]
     with torch.no_grad():
-        logits = model(torch.tensor([old["prompt_ids"]]))[0][0, -4:]
-    torch.testing.assert_close(logits, torch.tensor(old["last_4_logits"]), atol=2e-5, rtol=0)
+        logits = model(torch.tensor([old["prompt_ids"]], device=device))[0][0, -4:]
+    # the reference was computed on the CPU
+    torch.testing.assert_close(logits.cpu(), torch.tensor(old["last_4_logits"]), atol=2e-5, rtol=0)
 
 
 def test_a_checkpoint_from_before_the_restructure_resumes_as_it_would_have(workdir, tmp_path):  # noqa: F811
+    """On the CPU (old["settings"] say --device=cpu): the records to match are what the old code computed there."""
     import train
 
     old = expected()
@@ -47,6 +49,9 @@ def test_a_checkpoint_from_before_the_restructure_resumes_as_it_would_have(workd
         assert ours.keys() == theirs.keys()
         for key in theirs:
             assert ours[key] == pytest.approx(theirs[key], abs=1e-5), (ours, theirs)
+
+
+# resolve_device and resolve_dtype: CUDA faked where needed, so these run the same on any machine
 
 
 def test_device_and_dtype_settings(monkeypatch):

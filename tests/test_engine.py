@@ -22,8 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 V = 8  # vocabulary of the random models
 
 
-def random_gpt(seed, std):
-    """A tiny random GPT whose weights have standard deviation std: larger std, peakier distributions."""
+def random_gpt(seed, std, device="cpu"):
+    """A tiny random GPT whose weights have standard deviation std (drawn on the CPU), on device: larger std,
+    peakier distributions."""
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
@@ -32,7 +33,7 @@ def random_gpt(seed, std):
             for param in model.parameters():
                 if param.dim() == 2:
                     param.normal_(0, std)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def chi_square_threshold(df, alpha):
@@ -56,27 +57,29 @@ def chi_square(counts, probs, min_expected=5.0):
 SPEC_PROMPT = [3]  # one token: the caches start empty, and a stale cache entry weighs the most
 
 
-def spec_models():
+def spec_models(device="cpu"):
     """A target and a draft that differ a lot (the draft is flatter, and seeded differently)."""
-    return random_gpt(1, 0.35), random_gpt(2, 0.2)
+    return random_gpt(1, 0.35, device), random_gpt(2, 0.2, device)
 
 
 def first_two_token_probs(model, prompt):
     """The model's own probabilities of the first token (V,) and of the first two tokens (V * V,), computed
-    directly: one forward for the first, one batch of V continuations for the second."""
+    directly: one forward for the first, one batch of V continuations for the second; on the CPU, as the counts."""
+    device = engine.device_of(model)
     with torch.no_grad():
-        first = torch.softmax(model(torch.tensor([prompt]))[0][0, -1].double(), -1)
-        second = torch.softmax(model(torch.tensor([prompt + [x] for x in range(V)]))[0][:, -1].double(), -1)
+        first = torch.softmax(model(torch.tensor([prompt], device=device))[0][0, -1].double(), -1).cpu()
+        continuations = torch.tensor([prompt + [x] for x in range(V)], device=device)
+        second = torch.softmax(model(continuations)[0][:, -1].double(), -1).cpu()
     return first, (first[:, None] * second).flatten()
 
 
 def speculative_counts(target, draft, prompt, k, trials, seed):
     """Counts (V * V,) of the first two new tokens over `trials` runs of speculative steps from the prompt,
     and the number of steps taken. Both caches are prefilled once and truncated back after each run."""
-    settings = dict(temperature=1.0, top_k=None, top_p=None)
-    generator = torch.Generator().manual_seed(seed)
-    target_cache, _ = engine.prefill(target, torch.tensor([prompt]), target.config.block_size)
-    draft_cache, _ = engine.prefill(draft, torch.tensor([prompt]), draft.config.block_size)
+    settings, device = dict(temperature=1.0, top_k=None, top_p=None), engine.device_of(target)
+    generator = torch.Generator(device).manual_seed(seed)
+    target_cache, _ = engine.prefill(target, torch.tensor([prompt], device=device), target.config.block_size)
+    draft_cache, _ = engine.prefill(draft, torch.tensor([prompt], device=device), draft.config.block_size)
     start = target_cache.pos
     counts = torch.zeros(V * V, dtype=torch.float64)
     steps = 0
@@ -98,13 +101,13 @@ ALPHA = 1e-6  # the seeds are fixed; this is the chance that they were unlucky, 
 
 
 @pytest.mark.parametrize("k, trials", [(1, 1500), (2, 1000)])
-def test_speculative_sampling_reproduces_the_target_distribution(k, trials):
+def test_speculative_sampling_reproduces_the_target_distribution(k, trials, device):
     """The first two tokens after a prompt, over many speculative steps, are distributed as the target
     samples them. The first token tests the acceptance rule and the replacement distribution; the pair also
     tests the bonus token drawn when every proposal is accepted (k=1), the next proposal's verification (k=2),
     and both caches rolled back after a rejection (a rejection of the first proposal needs a second step,
     which reads both caches)."""
-    target, draft = spec_models()
+    target, draft = spec_models(device)
     p1, p12 = first_two_token_probs(target, SPEC_PROMPT)
     q1, q12 = first_two_token_probs(draft, SPEC_PROMPT)
     # the draft must differ from the target a lot, or a wrong acceptance rule would go unnoticed
@@ -134,18 +137,18 @@ def test_the_distribution_test_sees_the_draft_distribution():
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
+def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k, device):
     """What speculative_step promises its caller: after every step the target's cache holds exactly the
     tokens but the last, and the draft's cache a prefix of them; the same keys a fresh prefill computes."""
-    target, draft = spec_models()
+    target, draft = spec_models(device)
     settings = dict(temperature=1.0, top_k=None, top_p=None)
-    generator = torch.Generator().manual_seed(k)
+    generator = torch.Generator(device).manual_seed(k)
     block_size = target.config.block_size
     n_rejected = n_all_accepted = 0
     for prompt in ([3], [3, 1, 4]):
         tokens = list(prompt)
-        target_cache, _ = engine.prefill(target, torch.tensor([tokens]), block_size)
-        draft_cache, _ = engine.prefill(draft, torch.tensor([tokens]), block_size)
+        target_cache, _ = engine.prefill(target, torch.tensor([tokens], device=device), block_size)
+        draft_cache, _ = engine.prefill(draft, torch.tensor([tokens], device=device), block_size)
         while len(tokens) + k <= block_size:
             new, accepted = engine.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
                                                     generator)
@@ -156,7 +159,7 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
             for model, cache in ((target, target_cache), (draft, draft_cache)):
                 fresh = model.new_kv_cache(1, block_size)
                 with torch.no_grad():
-                    model.hidden_states(torch.tensor([tokens[:cache.pos]]), fresh)
+                    model.hidden_states(torch.tensor([tokens[:cache.pos]], device=device), fresh)
                 for mine, theirs in ((cache.k, fresh.k), (cache.v, fresh.v)):
                     torch.testing.assert_close(mine[:, :, :, :cache.pos], theirs[:, :, :, :cache.pos], atol=1e-5, rtol=0)
     assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
@@ -165,7 +168,7 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k):
 
 
 # ----------------------------------------------------------------------------------------------------
-# The CPU speed trick for decode batches
+# The CPU speed trick for decode batches (engine.py uses it on the CPU only: these tests stay there)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])

@@ -25,22 +25,23 @@ TINY = dict(n_layer=2, n_head=2, n_kv_head=1, n_embd=32)
 ACCENTED = "naïve café ☕ — ünïcödé, and plain ASCII too."  # 1, 2 and 3-byte UTF-8 characters
 
 
-def random_model(vocab_size, block_size=64, seed=0):
+def random_model(vocab_size, block_size=64, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, **TINY)).eval()
+    return GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, **TINY)).to(device).eval()
 
 
 def nats_by_hand(model, tokens):
     """-sum log p(tokens[i] | tokens[:i]) over i >= 1, from one forward pass over the whole sequence."""
+    device = model.lm_head.weight.device
     with torch.no_grad():
-        logits = model(torch.tensor([tokens[:-1]]))[0][0]
-    return F.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="sum").item()
+        logits = model(torch.tensor([tokens[:-1]], device=device))[0][0]
+    return F.cross_entropy(logits, torch.tensor(tokens[1:], device=device), reduction="sum").item()
 
 
-def test_bits_per_byte_of_a_character_model_by_hand():
+def test_bits_per_byte_of_a_character_model_by_hand(device):
     text = "First Citizen: Before we proceed any further, hear me speak."  # ASCII: a character is a byte
     tokenizer = Tokenizer(char_meta(text))
-    model = random_model(64)
+    model = random_model(64, device=device)
     tokens = tokenizer.encode(text)
     figures = evaluate.bits_per_byte(model, tokens, tokenizer.byte_lengths())
     assert figures["tokens"] == figures["bytes"] == len(text) - 1  # the first character is not predicted
@@ -49,9 +50,9 @@ def test_bits_per_byte_of_a_character_model_by_hand():
     assert figures["bits_per_byte"] == pytest.approx(nats / math.log(2) / (len(text) - 1), rel=1e-5)
 
 
-def test_bits_per_byte_of_a_bpe_model_counts_utf8_bytes(tmp_path):
+def test_bits_per_byte_of_a_bpe_model_counts_utf8_bytes(tmp_path, device):
     tokenizer = Tokenizer(GPT2_META)
-    model = random_model(50304)
+    model = random_model(50304, device=device)
     path = tmp_path / "text.txt"
     path.write_text(ACCENTED, encoding="utf-8")
     tokens = evaluate.text_tokens(str(path), tokenizer)
@@ -65,9 +66,9 @@ def test_bits_per_byte_of_a_bpe_model_counts_utf8_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("stride", [1, 7, 32, 63])
-def test_sliding_window_equals_full_context_when_the_text_fits_one_block(stride):
+def test_sliding_window_equals_full_context_when_the_text_fits_one_block(stride, device):
     tokenizer = Tokenizer(GPT2_META)
-    model = random_model(50304, block_size=64)
+    model = random_model(50304, block_size=64, device=device)
     tokens = [tokenizer.eot] + tokenizer.encode(ACCENTED)
     assert len(tokens) <= 65
     figures = evaluate.bits_per_byte(model, tokens, tokenizer.byte_lengths(), stride=stride, batch_size=3)
@@ -79,7 +80,7 @@ def test_sliding_window_equals_full_context_when_the_text_fits_one_block(stride)
 
 
 @pytest.fixture(scope="module")
-def bpe_run(tmp_path_factory):
+def bpe_run(tmp_path_factory, device):
     """A working directory with data/shakespeare (GPT-2 BPE) and a tiny model trained on it for 4 iterations
     in out/, evaluated (and checkpointed) at iteration 4."""
     work = tmp_path_factory.mktemp("work")
@@ -89,7 +90,7 @@ def bpe_run(tmp_path_factory):
     try:
         train.main(["--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
                     "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--eval_interval=4",
-                    "--device=cpu", "--compile=False", "--out_dir=out"])
+                    f"--device={device}", "--compile=False", "--out_dir=out"])
     finally:
         os.chdir(cwd)
     return work
@@ -100,8 +101,8 @@ def run_eval(cwd, *args):
                           text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_val_split_figures_go_to_stdout_and_json(bpe_run):
-    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=500", "--out_json=figures.json")
+def test_val_split_figures_go_to_stdout_and_json(bpe_run, device):
+    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=500", "--out_json=figures.json", f"--device={device}")
     assert result.returncode == 0, result.stderr
     figures = json.loads((bpe_run / "figures.json").read_text())["text"]
     assert figures["source"] == "data/shakespeare val split" and figures["tokens"] == 500
@@ -110,7 +111,7 @@ def test_val_split_figures_go_to_stdout_and_json(bpe_run):
     from checkpoint import load_model
     from data.shards import find_shards, read_shard
 
-    model, meta = load_model(str(bpe_run / "out"))
+    model, meta = load_model(str(bpe_run / "out"), device)
     tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:501]]
     lengths = Tokenizer(meta).byte_lengths()
     assert figures["bytes"] == sum(lengths[t] for t in tokens[1:])
@@ -135,14 +136,14 @@ def test_bad_input_is_a_one_line_error(bpe_run, args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
 
 
-def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, monkeypatch):
+def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, monkeypatch, device):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     monkeypatch.setitem(sys.modules, "harness", None)
     monkeypatch.chdir(bpe_run)
     with pytest.raises(evaluate.EvalError, match="pip install lm-eval"):
         evaluate.main(["--out_dir=out", "--tasks=hellaswag"])
     with pytest.raises(train.TrainError, match="pip install lm-eval"):
-        train.main(["--dataset=shakespeare", "--out_dir=out2", "--eval_tasks=hellaswag", "--device=cpu"])
+        train.main(["--dataset=shakespeare", "--out_dir=out2", "--eval_tasks=hellaswag", f"--device={device}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def write_local_tasks(folder):
     (folder / "text.yaml").write_text(ROLLING_TASK.format(data=folder / "text.jsonl"))
 
 
-def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path):
+def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path, device):
     pytest.importorskip("lm_eval")
     import harness
 
@@ -203,7 +204,8 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
     try:
         train.main(["--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32",
                     "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--eval_interval=2",
-                    "--device=cpu", "--compile=False", f"--out_dir={out_dir}", "--eval_tasks=tiny_choice,tiny_text",
+                    f"--device={device}", "--dtype=float32", "--compile=False", f"--out_dir={out_dir}",
+                    "--eval_tasks=tiny_choice,tiny_text",
                     f"--eval_tasks_include_path={tmp_path}"])
     finally:
         os.chdir(cwd)
@@ -214,7 +216,7 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
     # the figures logged at iteration 4 are the checkpoint's (saved at 4), scored again here
     from checkpoint import load_model
 
-    model, meta = load_model(str(out_dir))
+    model, meta = load_model(str(out_dir), device)
     again = harness.run_tasks(model, Tokenizer(meta), ["tiny_choice", "tiny_text"], include_path=str(tmp_path))
     assert evals[-1]["tiny_choice/acc"] == again["results"]["tiny_choice"]["acc,none"]
     assert evals[-1]["tiny_text/bits_per_byte"] == pytest.approx(again["results"]["tiny_text"]["bits_per_byte,none"],
@@ -223,7 +225,8 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
 
 def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(bpe_run, tmp_path):
     """Under DDP and under FSDP (where the engine's scorers need the root's sharded parameters gathered): both log
-    every evaluation, with the same figures (the same model trained the same way)."""
+    every evaluation, with the same figures (the same model trained the same way). On the CPU (gloo) whatever
+    TEST_DEVICE: two processes would need two GPUs."""
     pytest.importorskip("lm_eval")
     write_local_tasks(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

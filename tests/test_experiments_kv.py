@@ -37,7 +37,7 @@ def test_cached_flops_grow_only_through_attention_and_uncached_flops_with_the_wh
 
 
 @pytest.mark.parametrize("context", [1, 17, 64])
-def test_the_cached_step_gives_the_logits_of_the_whole_context(context):
+def test_the_cached_step_gives_the_logits_of_the_whole_context(context):  # experiments/kv_cache.py measures on the CPU
     _, _, difference = kv_cache.measure(tiny(), context, repeats=1)
     assert difference < 1e-5
 
@@ -52,7 +52,7 @@ def test_kv_bytes_per_token_shrink_with_the_kv_heads():
     assert sizes == [2 * 2 * 4 * 8 * 4, 2 * 2 * 2 * 8 * 4, 2 * 2 * 1 * 8 * 4]  # 2 (k, v) x layers x heads x hd x 4 B
 
 
-def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch):
+def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch, device):
     text = "ROMEO: But soft, what light through yonder window breaks? It is the east. " * 40
     data = tmp_path / "data" / "tiny"
     from data.shakespeare.prepare import write_splits
@@ -60,7 +60,7 @@ def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch):
     write_splits(text, Tokenizer(char_meta(text)), str(data), "tiny")
     config = tmp_path / "tiny.py"
     config.write_text('dataset = "tiny"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\nbatch_size = 2\n'
-                      'max_iters = 4\neval_interval = 2\neval_iters = 1\ndevice = "cpu"\ncompile = False\n')
+                      f'max_iters = 4\neval_interval = 2\neval_iters = 1\ndevice = "{device}"\ncompile = False\n')
     monkeypatch.chdir(tmp_path)
     out_dir = str(tmp_path / "kv1")
     kv_heads.train_run(str(config), out_dir, 1, 1337, [])

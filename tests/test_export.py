@@ -408,14 +408,16 @@ def char_ckpts(tmp_path_factory):
     return paths
 
 
-def run_sample(*args):
+def run_sample(*args, device):
+    """sample.py's output on device, in float32 ("auto" would pick bfloat16 on CUDA)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        sample.main(["--prompt=ROMEO:", "--max_new_tokens=40", "--temperature=0", "--device=cpu", *args])
+        sample.main(["--prompt=ROMEO:", "--max_new_tokens=40", "--temperature=0", f"--device={device}",
+                     "--dtype=float32", *args])
     return out.getvalue()
 
 
-def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path):
+def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path, device):
     folder, refused = tmp_path / "hf", tmp_path / "refused"
     runs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={out_dir}", "--to", str(to)],
                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -429,18 +431,19 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path):
     assert os.listdir(tmp_path) == ["hf"]  # no temp folder left by either run
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
-    from_checkpoint = run_sample(f"--out_dir={char_ckpts['swiglu']}")
+    from_checkpoint = run_sample(f"--out_dir={char_ckpts['swiglu']}", device=device)
     assert from_checkpoint.startswith("ROMEO:") and len(from_checkpoint) > 40
-    assert run_sample(f"--init_from=hf:{folder}") == from_checkpoint
-    assert run_sample(f"--out_dir={char_ckpts['swiglu']}", "--draft_k=3", f"--draft=hf:{folder}") == from_checkpoint
+    assert run_sample(f"--init_from=hf:{folder}", device=device) == from_checkpoint
+    assert run_sample(f"--out_dir={char_ckpts['swiglu']}", "--draft_k=3", f"--draft=hf:{folder}",
+                      device=device) == from_checkpoint
 
 
-def test_sample_errors_for_hf_folders(tmp_path):
+def test_sample_errors_for_hf_folders(tmp_path, device):
     export_hf(our_model("llama_like"), None, str(tmp_path))
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
-        run_sample(f"--init_from=hf:{tmp_path}")
+        run_sample(f"--init_from=hf:{tmp_path}", device=device)
     with pytest.raises(sample.SampleError, match="init_from must be"):
-        run_sample(f"--init_from={tmp_path}")
+        run_sample(f"--init_from={tmp_path}", device=device)
 
 
 @pytest.fixture(scope="module")
@@ -450,22 +453,22 @@ def char_data(tmp_path_factory):
     return path
 
 
-def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_path):
+def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_path, device):
     """The run's first evaluation equals that of the exported model itself: the weights arrived intact."""
     folder = tmp_path / "hf"
-    model, meta = load_model(char_ckpts["swiglu"])
+    model, meta = load_model(char_ckpts["swiglu"])  # on the CPU: export_hf takes a CPU float32 model
     export_hf(model, meta, str(folder))
     out_dir = tmp_path / "run"
     args = dict(dataset="shakespeare_char", init_from=f"hf:{folder}", out_dir=str(out_dir), block_size=32, batch_size=4,
-                eval_iters=2, max_iters=2, eval_interval=100, log_interval=1, device="cpu", compile=False,
-                learning_rate=1e-3, min_lr=1e-4, warmup_iters=1)
+                eval_iters=2, max_iters=2, eval_interval=100, log_interval=1, device=device, dtype="float32",
+                compile=False, learning_rate=1e-3, min_lr=1e-4, warmup_iters=1)
     settings, argv = dict(train.DEFAULTS, **args), [f"--{k}={v}" for k, v in args.items()]
     cwd = os.getcwd()
     os.chdir(char_data)
     try:
         train.main(argv)
-        expected = train.estimate_loss(model, settings, os.path.join("data", "shakespeare_char"), 0, 1, "cpu",
-                                       contextlib.nullcontext())
+        expected = train.estimate_loss(load_model(char_ckpts["swiglu"], device)[0], settings,
+                                       os.path.join("data", "shakespeare_char"), 0, 1, device, contextlib.nullcontext())
     finally:
         os.chdir(cwd)
     with open(out_dir / "metrics.jsonl") as f:

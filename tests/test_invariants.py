@@ -70,12 +70,24 @@ def randomize_(model, seed, std=0.4):
     return model.eval()
 
 
-def build(name, seed=0):
-    return randomize_(GPT(config(name)), seed)
+def build(name, device, seed=0):
+    """The config's model with randomize_'s weights (drawn on the CPU: the same everywhere), on device."""
+    return randomize_(GPT(config(name)), seed).to(device)
+
+
+def device_of(model):
+    return model.embed_tokens.weight.device
 
 
 def tokens(model, shape, seed):
-    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+    """Random tokens from a fixed CPU generator (the same on every device), on the model's device."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device_of(model))
+
+
+def garbage_(tensor, generator, std=100.0):
+    """Fill tensor (on any device) with large values drawn from a CPU generator."""
+    tensor.copy_(torch.empty(tensor.shape).normal_(0, std, generator=generator))
 
 
 def max_error(actual, expected):
@@ -125,13 +137,13 @@ def static_vs_growing(model, batch=2, seed=1):
     idx = tokens(model, (batch, T), seed)
     growing, static = model.new_kv_cache(batch, T), model.new_kv_cache(batch, T, static=True)
     generator = torch.Generator().manual_seed(seed)
-    static.k.normal_(0, 100, generator=generator)  # unwritten slots must be masked out, whatever they hold
-    static.v.normal_(0, 100, generator=generator)
+    garbage_(static.k, generator)  # unwritten slots must be masked out, whatever they hold
+    garbage_(static.v, generator)
     worst, start = 0.0, 0
     for size in chunk_sizes(T, seed):
         chunk = idx[:, start:start + size]
         expected = model(chunk, kv_cache=growing)[0]
-        actual = model(chunk, kv_cache=static, input_pos=torch.arange(start, start + size))[0]
+        actual = model(chunk, kv_cache=static, input_pos=torch.arange(start, start + size, device=idx.device))[0]
         worst, start = max(worst, max_error(actual, expected)), start + size
     return worst
 
@@ -143,9 +155,9 @@ def fast_path_vs_mask(model, batch=2, seed=2):
     T = model.config.block_size - 8  # 8 slots of garbage past the tokens: S > T, so the mask path
     idx = tokens(model, (batch, T), seed)
     static = model.new_kv_cache(batch, T + 8, static=True)
-    static.k.normal_(0, 100, generator=torch.Generator().manual_seed(seed))
-    static.v.normal_(0, 100, generator=torch.Generator().manual_seed(seed + 1))
-    return max_error(model(idx, kv_cache=static, input_pos=torch.arange(T))[0], model(idx)[0])
+    garbage_(static.k, torch.Generator().manual_seed(seed))
+    garbage_(static.v, torch.Generator().manual_seed(seed + 1))
+    return max_error(model(idx, kv_cache=static, input_pos=torch.arange(T, device=idx.device))[0], model(idx)[0])
 
 
 def receptive_field_reach(config):
@@ -191,18 +203,18 @@ def test_configs_cover_every_setting():
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_cache_in_chunks_equals_full_forward(name):
-    assert cache_vs_full(build(name)) < TOL
+def test_cache_in_chunks_equals_full_forward(name, device):
+    assert cache_vs_full(build(name, device)) < TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_static_cache_equals_growing_cache(name):
-    assert static_vs_growing(build(name)) < TOL
+def test_static_cache_equals_growing_cache(name, device):
+    assert static_vs_growing(build(name, device)) < TOL
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_full_forward_fast_path_equals_the_mask_rule(name, monkeypatch):
-    model, calls = build(name), []
+def test_full_forward_fast_path_equals_the_mask_rule(name, monkeypatch, device):
+    model, calls = build(name, device), []
     original = model_py.can_attend
 
     def counting(query_pos, key_pos, *settings):
@@ -215,8 +227,8 @@ def test_full_forward_fast_path_equals_the_mask_rule(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name):
-    outside, edge = receptive_field(build(name))
+def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name, device):
+    outside, edge = receptive_field(build(name, device))
     assert outside < TOL  # nothing before it (causal), nothing past the window's reach
     assert edge > BROKEN  # and the window reaches that far, not one position less
 
@@ -234,8 +246,8 @@ def naive_greedy(model, idx, n):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_generate_equals_naive_loop(name):
-    model = build(name)
+def test_greedy_generate_equals_naive_loop(name, device):
+    model = build(name, device)
     prompt = tokens(model, (2, 6), seed=4)
     n = model.config.block_size - 6
     expected = naive_greedy(model, prompt, n)
@@ -278,7 +290,7 @@ def naive_greedy_sliding(model, prompt, n):
     for _ in range(n):
         if len(context) > model.config.block_size:
             context = context[-(model.config.block_size // 2):]
-        out.append(int(model(torch.tensor([context]))[0][0, -1].argmax()))
+        out.append(int(model(torch.tensor([context], device=device_of(model)))[0][0, -1].argmax()))
         context.append(out[-1])
     return out
 
@@ -289,20 +301,20 @@ def noised(model, seed, scale=0.15):
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
-            param.add_(scale * torch.randn(param.shape, generator=generator))
+            param.add_(scale * torch.randn(param.shape, generator=generator).to(param.device))
     return draft
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_speculative_greedy_equals_plain_greedy(name):
-    model = build(name)
+def test_speculative_greedy_equals_plain_greedy(name, device):
+    model = build(name, device)
     vocab, prompt = model.config.vocab_size, tokens(model, (5,), seed=5).tolist()
     n = model.config.block_size + 5  # past block_size: the context window slides once
     expected = naive_greedy_sliding(model, prompt, n)
     assert len(set(expected)) > 3  # varied output, so that agreeing means something
 
     plain = RecordingSamples(1, vocab)
-    engine.decode_batch(model, prompt, greedy_settings(n), plain, torch.Generator().manual_seed(0))
+    engine.decode_batch(model, prompt, greedy_settings(n), plain, torch.Generator(device).manual_seed(0))
     assert plain.tokens[0] == expected
 
     # Both ways a speculative step ends: the model as its own draft is always right (every proposal accepted and
@@ -310,7 +322,7 @@ def test_speculative_greedy_equals_plain_greedy(name):
     for draft, all_accepted in ((model, True), (noised(model, seed=6), False)):
         spec = RecordingSamples(1, vocab)
         accepted, proposed = engine.decode_speculative(model, draft, prompt, greedy_settings(n), spec,
-                                                       torch.Generator().manual_seed(0))
+                                                       torch.Generator(device).manual_seed(0))
         assert spec.tokens[0] == expected
         assert (accepted == proposed) == all_accepted and proposed > 0
 
@@ -327,7 +339,7 @@ def test_export_round_trip_is_exact_or_refused(name, tmp_path):
     transformers, is tests/test_export.py's."""
     pytest.importorskip("safetensors")
     pytest.importorskip("transformers")  # export_hf then also compares logits with transformers
-    model, folder = build(name), str(tmp_path / "hf")
+    model, folder = build(name, "cpu"), str(tmp_path / "hf")  # export.py exports a CPU float32 model only
     try:
         export.export_hf(model, None, folder)
     except export.ConvertError:
@@ -386,9 +398,9 @@ BREAKS = {  # a planted bug -> the invariant that must catch it
 
 
 @pytest.mark.parametrize("bug", BREAKS)
-def test_a_planted_mask_bug_is_caught(bug, monkeypatch):
+def test_a_planted_mask_bug_is_caught(bug, monkeypatch, device):
     broken, invariant = BREAKS[bug]
-    models = {name: build(name) for name in NAMES}
+    models = {name: build(name, device) for name in NAMES}
     monkeypatch.setattr(model_py, "can_attend", broken)  # attention looks it up at call time
     errors = {name: invariant(m) for name, m in models.items()}
     assert max(errors.values()) > BROKEN, errors  # caught for at least one config

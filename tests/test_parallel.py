@@ -13,13 +13,14 @@ import torch
 import train
 from model import GPT, GPTConfig
 from parallel import by_index, by_name, checkpoint_blocks
-from test_train import TINY, TRAIN, assert_one_line_error, in_background, in_dir, load_ckpt, records, workdir  # noqa: F401
+from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
+                        workdir)  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 layers (so that there are two sharded blocks), no dropout (processes draw different masks), global batch 2 x 4
-RUN = TINY + ["--n_layer=2", "--dropout=0.0", "--gradient_accumulation_steps=2", "--eval_interval=3"]
+RUN = TINY + TWO_PROCESSES + ["--n_layer=2", "--dropout=0.0", "--gradient_accumulation_steps=2", "--eval_interval=3"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
@@ -210,7 +211,8 @@ def test_float16_with_fsdp_is_refused():
 
 
 def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
-    result = subprocess.run([*TORCHRUN, TRAIN, *TINY, f"--out_dir={tmp_path}", "--gradient_accumulation_steps=1"],
+    result = subprocess.run([*TORCHRUN, TRAIN, *TINY, *TWO_PROCESSES, f"--out_dir={tmp_path}",
+                             "--gradient_accumulation_steps=1"],
                             cwd=workdir, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0

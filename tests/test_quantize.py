@@ -33,6 +33,8 @@ from test_engine import ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold,
 from tokenizer import Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+# On the CPU whatever TEST_DEVICE: --quantize=int8 there is Int8Linear (fbgemm's CPU kernels), and the runs below
+# measure that path; only Int8WeightOnlyLinear, what int8 is on a GPU, runs on TEST_DEVICE (the `device` fixture).
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 64
@@ -135,25 +137,26 @@ def test_an_int8_linear_computes_each_row_independently_of_the_others():
 # Int8WeightOnlyLinear: the GPU's int8, tested here on the CPU
 
 
-def test_weight_only_int8_holds_the_same_int8_weights_and_computes_with_them():
+def test_weight_only_int8_holds_the_same_int8_weights_and_computes_with_them(device):
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
-    cpu_layer, gpu_layer = Int8Linear(linear), Int8WeightOnlyLinear(linear)
+    cpu_layer, gpu_layer = Int8Linear(linear), Int8WeightOnlyLinear(linear).to(device)
     assert gpu_layer.weight.dtype == torch.int8
-    torch.testing.assert_close(gpu_layer.dequantized_weight(), cpu_layer.dequantized_weight(), atol=0, rtol=0)
+    torch.testing.assert_close(gpu_layer.dequantized_weight().cpu(), cpu_layer.dequantized_weight(), atol=0, rtol=0)
     x = torch.randn(5, 64)
     expected = nn.functional.linear(x, cpu_layer.dequantized_weight(), linear.bias)
-    torch.testing.assert_close(gpu_layer(x), expected, atol=1e-5, rtol=1e-5)  # no activation quantization here
+    # no activation quantization here
+    torch.testing.assert_close(gpu_layer(x.to(device)).cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, monkeypatch):
+def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, monkeypatch, device):
     """On CUDA, --quantize=int8 --compile=True runs this model through the compiled static-cache step (there as CUDA
     graphs): it must trace in one graph (fullgraph) and decode what the eager model decodes. aot_eager here: dynamo
     and AOT autograd, what inductor is given."""
-    model = replace_linears(copy.deepcopy(trained["model"]), Int8WeightOnlyLinear)
+    model = replace_linears(copy.deepcopy(trained["model"]).to(device), Int8WeightOnlyLinear)
     graphs, torch_compile = [], torch.compile
 
-    def counting_backend(graph_module, example_inputs):
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: mode="reduce-overhead" on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
@@ -165,7 +168,7 @@ def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, mo
         samples = engine.Samples(1, trained["tokenizer"], [], stream=False)
         settings = dict(num_samples=1, max_new_tokens=BLOCK + 10, temperature=0.0, top_k=None, top_p=None,
                         no_kv_cache=False, compile=compile)
-        engine.decode_batch(model, prompt, settings, samples, torch.Generator().manual_seed(0))
+        engine.decode_batch(model, prompt, settings, samples, torch.Generator(device).manual_seed(0))
         texts.append(samples.texts[0])
     torch._dynamo.reset()
     assert len(graphs) == 1 and texts[1] == texts[0] and len(texts[0]) == BLOCK + 10

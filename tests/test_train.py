@@ -24,6 +24,7 @@ import torch
 import model as model_module
 import train
 from checkpoint import CheckpointError
+from conftest import DEVICE
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
 
@@ -32,8 +33,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
 TINY = ["--dataset=shakespeare_char", "--n_layer=1", "--n_head=2", "--n_kv_head=1", "--n_embd=32", "--block_size=32",
-        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--compile=False", "--device=cpu",
+        "--batch_size=4", "--eval_iters=2", "--log_interval=1", "--compile=False", f"--device={DEVICE}",
+        "--dtype=float32",
         "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4"]
+TWO_PROCESSES = ["--device=cpu"]  # torchrun --nproc_per_node=2 on CUDA needs 2 GPUs; gloo on the CPU runs anywhere
 TIME_KEYS = {"time", "ms_per_iter", "tokens_per_sec", "mfu", "first_step_s"}  # wall-clock figures, not reproducible
 
 
@@ -466,7 +469,8 @@ def test_signals_during_a_checkpoint_write_wait_for_it(workdir, tmp_path):
 
 
 def test_two_process_ddp_matches_one_process(workdir, tmp_path):
-    args = TINY + ["--dropout=0.0", "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2"]
+    args = TINY + TWO_PROCESSES + ["--dropout=0.0", "--gradient_accumulation_steps=2", "--max_iters=4",
+                                   "--eval_interval=2"]
     ddp_dir, single_dir = str(tmp_path / "ddp"), str(tmp_path / "single")
     log_path = str(tmp_path / "output.txt")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *args,
