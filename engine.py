@@ -33,11 +33,13 @@ class Samples:
         self.longest_stop = max(map(len, stops), default=0)
         self.decoders = [tokenizer.decoder() for _ in range(n)]
         self.texts, self.n_tokens = [""] * n, 0
+        self.added_at = []  # time.perf_counter() of each token's arrival, for the speed after the first ones
 
     def add(self, sample, token):
         """Record one new token of a sample; True if the sample has ended with it. A sample ends right after
         its first stop string: the rest of the token that completed it (a BPE token can hold more) is dropped."""
         self.n_tokens += 1
+        self.added_at.append(time.perf_counter())
         if token == self.tokenizer.eot:
             return True
         text, piece = self.texts[sample], self.decoders[sample](token)
@@ -48,6 +50,13 @@ class Samples:
         if sample == 0 and self.stream:
             print(piece, end="", flush=True)
         return stop_end is not None
+
+    def tokens_per_second_after(self, n):
+        """The decoding speed from the n-th token on, without the prefill and the first steps (which compile and
+        record CUDA graphs with compile=True); None if fewer than n + 2 tokens came."""
+        if len(self.added_at) < n + 2:
+            return None
+        return (len(self.added_at) - 1 - n) / max(self.added_at[-1] - self.added_at[n], 1e-9)
 
     def stop_end(self, text, piece):
         """Where in text + piece the earliest stop string ends, if piece completes one (text holds none)."""

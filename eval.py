@@ -22,7 +22,6 @@ import os
 import sys
 
 import numpy as np
-import torch
 
 from checkpoint import CheckpointError, load_checkpoint, load_model, model_from_checkpoint, resolve_device, resolve_dtype
 from configurator import ConfigError, configure

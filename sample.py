@@ -48,6 +48,7 @@ DEFAULTS = dict(
     draft_k=4,  # tokens the draft proposes per step
 )
 SEPARATOR = "\n" + "-" * 40 + "\n"
+WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
 
 
 class SampleError(Exception):
@@ -134,7 +135,10 @@ def main(argv):
     for text in samples.texts[1:]:
         print(SEPARATOR + prompt + text, end="")
     print(flush=True)  # before the speed line on stderr, which is not buffered
-    speed = f"{samples.n_tokens} tokens in {seconds:.2f} s ({samples.n_tokens / seconds:.1f} tokens/s)"
+    speed = f"{samples.n_tokens} tokens in {seconds:.2f} s ({samples.n_tokens / seconds:.1f} tokens/s"
+    warmup = WARMUP_TOKENS * settings["num_samples"]
+    steady = samples.tokens_per_second_after(warmup)
+    speed += f"; {steady:.1f} after the first {warmup})" if steady else ")"
     if draft is not None:
         speed += f", draft acceptance rate {n_accepted / max(1, n_proposed):.1%} ({n_accepted}/{n_proposed})"
     print(speed, file=sys.stderr)

@@ -27,5 +27,10 @@ def test_the_gpu_check_runs_every_step_and_says_its_figures_are_not_from_a_gpu(t
     # one model, one data order: one process, DDP and FSDP on one process (and compile, unused on CPU) end alike
     losses = [figures[run]["final_loss"] for run in runs]
     assert max(losses) - min(losses) < 1e-5, losses
+    assert figures["precision"] == "float32"  # what train.py picks on a CPU
+    assert all(figures[run]["first_step_s"] > 0 for run in runs)  # timed alone (compilation on CUDA)
+    assert figures["peak_memory_gb"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # CUDA only
     for compile in (False, True):
-        assert figures[f"sample_compile_{compile}"]["tokens"] == 64 and figures[f"sample_compile_{compile}"]["tokens_per_sec"] > 0
+        decode = figures[f"sample_compile_{compile}"]
+        assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
+    assert figures["sample_compiled_over_eager"] > 0

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLE = os.path.join(ROOT, "sample.py")
 BLOCK = 64  # block_size of the character models
 PROMPT = "ROMEO:\nWhat"
-SPEED = re.compile(r"^(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\)")
+SPEED = re.compile(r"^(\d+) tokens in [\d.]+ s \([\d.]+ tokens/s(?:; ([\d.]+) after the first (\d+))?\)")
 ACCEPTANCE = re.compile(r"draft acceptance rate ([\d.]+)% \((\d+)/(\d+)\)")
 
 
@@ -62,8 +62,22 @@ def random_char_model(seed, std, like=None, block_size=BLOCK):
     return model.eval()
 
 
+@pytest.fixture(autouse=True)
+def sample_on_the_test_device(device, monkeypatch):
+    """sample.main() runs in this process on TEST_DEVICE, in float32 (as the references here; "auto" would pick
+    bfloat16 on CUDA); the scripts run in separate processes get the same as arguments (on_device)."""
+    monkeypatch.setitem(sample.DEFAULTS, "device", device)
+    monkeypatch.setitem(sample.DEFAULTS, "dtype", "float32")
+
+
+@pytest.fixture(scope="session")
+def on_device(device):
+    """sample.py's arguments for TEST_DEVICE in float32, for the runs in separate processes."""
+    return [f"--device={device}", "--dtype=float32"]
+
+
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def ckpts(tmp_path_factory, device):
     """Paths of: a target character model and a draft (the target's weights plus noise: they agree often but
     not always) with the same meta; a draft with another vocabulary (the same characters in another order);
     a truncated ckpt.pt; a draft with a smaller block_size."""
@@ -87,7 +101,7 @@ def ckpts(tmp_path_factory):
     paths["small_block_draft"] = str(root / "small_block_draft" / "ckpt.pt")
     save_checkpoint(paths["small_block_draft"], small, meta)
     paths["dir"] = str(root / "target")  # out_dir may be the folder as well as the file
-    paths["meta"], paths["model"] = meta, target
+    paths["meta"], paths["model"] = meta, target.to(device)  # reference_greedy runs it where sample.py runs
     return paths
 
 
@@ -112,7 +126,7 @@ def reference_greedy(model, meta, prompt, n):
         for _ in range(n):
             if len(tokens) - start > model.config.block_size:
                 start = len(tokens) - model.config.block_size // 2
-            logits, _ = model(torch.tensor([tokens[start:]]))
+            logits, _ = model(torch.tensor([tokens[start:]], device=model.lm_head.weight.device))
             tokens.append(int(logits[0, -1, :meta["vocab_size"]].argmax()))
     return "".join(chars[t] for t in tokens)
 
@@ -144,14 +158,14 @@ class Processes:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def processes(ckpts, tmp_path_factory):
+def processes(ckpts, tmp_path_factory, on_device):
     processes = Processes({
         "ok": [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--seed=7", "--max_new_tokens=40",
-               "--temperature=0.9"],
-        "unknown_char": [f"--out_dir={ckpts['dir']}", "--prompt=caf\u00e9 ~"],
+               "--temperature=0.9", *on_device],
+        "unknown_char": [f"--out_dir={ckpts['dir']}", "--prompt=caf\u00e9 ~", *on_device],
         # inductor's first compile takes ~45 s on 2 cores with a cold cache (~6 s warm): started first, run beside
         "compiled": [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--temperature=0",
-                     f"--max_new_tokens={2 * BLOCK + 5}", "--compile=True"],
+                     f"--max_new_tokens={2 * BLOCK + 5}", "--compile=True", *on_device],
     }, cwd=tmp_path_factory.mktemp("cwd"))
     yield processes
     processes.kill()
@@ -209,7 +223,7 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
     inductor run is test_compiled_greedy_with_inductor_in_a_separate_process."""
     graphs = []
 
-    def counting_backend(graph_module, example_inputs):
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: mode="reduce-overhead" on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
@@ -498,7 +512,7 @@ def test_script_prints_the_prompt_then_the_sample_and_the_seed_reproduces_it(pro
     assert run(capsys, *args, "--seed=8").out != out
 
 
-def test_a_checkpoint_trained_by_train_py_samples_end_to_end(tmp_path, capsys):
+def test_a_checkpoint_trained_by_train_py_samples_end_to_end(tmp_path, capsys, device, on_device):
     """The whole path a user takes: prepare the data, train a tiny model with train.py, then sample.py as a
     script prints the prompt and a continuation in the model's alphabet, and the same seed repeats it."""
     import train
@@ -508,11 +522,12 @@ def test_a_checkpoint_trained_by_train_py_samples_end_to_end(tmp_path, capsys):
     prepare_char.main(["--out_dir", str(tmp_path / "data" / "shakespeare_char")])
     out_dir = tmp_path / "out"
     with in_dir(tmp_path):  # train.py reads data/<dataset> from its working directory
-        train.main(TINY + ["--max_iters=30", "--eval_interval=30", f"--out_dir={out_dir}"])
+        train.main(TINY + ["--max_iters=30", "--eval_interval=30", f"--out_dir={out_dir}", f"--device={device}"])
     capsys.readouterr()
     args = [f"--out_dir={out_dir}", "--prompt=ROMEO:", "--max_new_tokens=60", "--temperature=1.0", "--seed=3"]
-    result = subprocess.run([sys.executable, SAMPLE, *args], capture_output=True, text=True, encoding="utf-8",
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8"), timeout=120)
+    result = subprocess.run([sys.executable, SAMPLE, *args, *on_device], capture_output=True, text=True,
+                            encoding="utf-8", env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8"),
+                            timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert out.startswith("ROMEO:") and len(out) == len("ROMEO:") + 60 + 1, out
@@ -538,3 +553,18 @@ def test_a_bad_input_in_a_separate_process_is_one_line_without_traceback(process
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "\u00e9" in lines[0] and "~" in lines[0], lines[0]  # the characters it does not know, named
     assert result.stdout == ""
+
+
+def test_the_speed_after_the_first_tokens_leaves_out_a_slow_start(monkeypatch):
+    """sample.py's second speed figure: 8 tokens that take 10 s each (compiling, recording CUDA graphs), then 0.1 s
+    each: 10 tokens/s from the 8th token on, whatever the start cost."""
+    import engine
+
+    clock = iter([10.0 * i for i in range(1, 9)] + [80 + 0.1 * i for i in range(1, 33)])
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))
+    samples = engine.Samples(1, sample.Tokenizer(dict(tokenizer="char", vocab_size=3, chars=["a", "b", "c"])), [],
+                             stream=False)
+    for _ in range(40):
+        samples.add(0, 1)
+    assert samples.tokens_per_second_after(8) == pytest.approx(10.0)
+    assert samples.tokens_per_second_after(39) is None  # too few tokens after it to time
