@@ -5,6 +5,7 @@ parameters, 457 MB in fp32).
     python bench/bench_memory.py                              # all six cases: ~2 minutes on a 2-core CPU
     python bench/bench_memory.py --cases fsdp,fsdp+ac --batch_size 4
     python bench/bench_memory.py --device cuda --cases single,single+ac   # x2 cases need 2 GPUs
+    python bench/bench_memory.py --cases single --dtype bfloat16 --block_size 1024 --loss_chunk 8192 --batch_size 4
 
 Each case runs in fresh processes (torchrun --nproc_per_node=2 for the x2 cases, gloo on CPU) that build the
 model and wrap it as train.py does (checkpoint_blocks, then shard or wrap_ddp; AdamW from train.make_optimizers),
@@ -27,9 +28,18 @@ raises that threshold as large blocks are freed (up to 32 MB) and keeps what is 
 RSS: FSDP's many short-lived buffers (gathered blocks, unsharded gradients) then lift its peak from ~0.6x DDP's
 to ~0.8x here. --glibc_heap measures that default (what train.py gets). The x2 cases run one thread per process (torchrun's
 OMP_NUM_THREADS=1), so they are slower, not larger.
+
+--dtype bfloat16 is train.py's mixed precision (its default on CUDA): parameters, gradients and AdamW's state stay
+fp32, and the forward runs under torch.autocast(device, bfloat16) (single, DDP), or, under FSDP, with bf16 as the
+MixedPrecisionPolicy's param_dtype and no autocast. Autocast's bf16 copies of the weights, saved for the backward,
+count as activations. On CPU the figures estimate a GPU's, they do not measure it: autocast's op lists differ by
+device (CUDA's runs rms_norm in fp32, CPU's leaves it to the input's dtype), though for this model the tensors
+saved for the backward come out the same; CPU's SDPA picks a flash kernel too (O(T) memory, GQA without repeating
+k and v), as CUDA's does; and AdamW on CPU is foreach (temporaries the size of the parameters), fused on CUDA.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -91,6 +101,10 @@ def worker(args):
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     cuda = device.startswith("cuda")
+    dtype = getattr(torch, args.dtype)
+    # train.py's mixed precision: autocast, except under FSDP, whose MixedPrecisionPolicy casts instead
+    autocast = torch.autocast(device.split(":")[0], dtype=dtype) \
+        if dtype != torch.float32 and args.mode != "fsdp" else contextlib.nullcontext()
     before, _ = memory(cuda)
 
     torch.manual_seed(0)  # the same init on every process, as train.py
@@ -100,7 +114,7 @@ def worker(args):
     if args.ac:
         checkpoint_blocks(model)
     if args.mode == "fsdp":
-        shard(model, torch.float32)  # fp32 everywhere: the cases differ only in how the state is spread
+        shard(model, dtype)  # fp32 by default: the cases then differ only in how the state is spread
     optimizers = make_optimizers(model, ADAMW, "cuda" if cuda else "cpu")  # after sharding, as train.py
     raw_model = model
     if args.mode == "ddp":
@@ -110,7 +124,8 @@ def worker(args):
 
     def forward():
         tokens = torch.randint(config.vocab_size, (args.batch_size, args.block_size + 1), generator=generator)
-        return model(tokens[:, :-1].to(device), tokens[:, 1:].to(device), loss_chunk=args.loss_chunk)[1]
+        with autocast:  # the backward outside it, as train.py
+            return model(tokens[:, :-1].to(device), tokens[:, 1:].to(device), loss_chunk=args.loss_chunk)[1]
 
     for _ in range(args.steps - 1):  # AdamW's state, DDP's rebuilt buckets, one-time costs: all there after these
         forward().backward()
@@ -205,6 +220,8 @@ def main():
     parser.add_argument("--steps", type=int, default=2, help="training steps, the last measured (>= 2)")
     parser.add_argument("--loss_chunk", type=int, default=0, help="train.py's loss_chunk: the head's positions "
                         "at a time (0: all at once)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="bfloat16: train.py's mixed precision (autocast; fp32 parameters, gradients, AdamW state)")
     parser.add_argument("--glibc_heap", action="store_true",
                         help="leave glibc's malloc as it is (freed tensors may stay in its heap, counted in RSS)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one case's process (internal)
@@ -222,11 +239,13 @@ def main():
 
     model_argv = [f"--{key}={getattr(args, key)}" for key in
                   ("device", "n_layer", "n_embd", "n_head", "n_kv_head", "vocab_size", "batch_size", "block_size",
-                   "steps", "loss_chunk")]
+                   "steps", "loss_chunk", "dtype")]
     print(machine())
     malloc = worker_env(args).get("MALLOC_MMAP_THRESHOLD_") or "unset (glibc default)"
-    print(f"model: {args.n_layer} layers, {args.n_embd} wide, vocab {args.vocab_size}, fp32; {args.batch_size} x "
-          f"{args.block_size} tokens per process per step, {args.steps} AdamW steps")
+    precision = "fp32" if args.dtype == "float32" else "bf16 mixed precision (fp32 parameters and AdamW state)"
+    print(f"model: {args.n_layer} layers, {args.n_embd} wide, vocab {args.vocab_size}, {precision}; "
+          f"{args.batch_size} x {args.block_size} tokens per process per step, {args.steps} AdamW steps"
+          + (f", loss_chunk {args.loss_chunk}" if args.loss_chunk else ""))
     print("peak: " + ("CUDA max_memory_allocated" if args.device == "cuda" else
                       f"peak RSS (VmHWM), workers' MALLOC_MMAP_THRESHOLD_={malloc}"), flush=True)
     results, failures, start = {}, {}, time.perf_counter()
