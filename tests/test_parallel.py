@@ -54,10 +54,10 @@ def assert_same_run(got_dir, expected_dir, tolerance):
 @pytest.fixture(scope="module")
 def runs(workdir, tmp_path_factory):
     """out_dirs of: 6 iterations in one process, with DDP x2 and with FSDP x2; 3 iterations in one process and with
-    FSDP x2; and those resumed to 6: the FSDP one under FSDP and in one process, the single one under FSDP."""
+    FSDP x2; and those resumed to 6: the FSDP one under FSDP, DDP and in one process, the single one under FSDP."""
     root = tmp_path_factory.mktemp("runs")
     dirs = {name: str(root / name) for name in ("single", "ddp", "fsdp", "single_3", "fsdp_3", "fsdp_3_fsdp",
-                                                "fsdp_3_single", "single_3_fsdp")}
+                                                "fsdp_3_single", "fsdp_3_ddp", "single_3_fsdp")}
     logs = {name: str(root / f"{name}.txt") for name in dirs}
     with torchrun(workdir, dirs["fsdp"], logs["fsdp"], "--max_iters=6", "--fsdp=True") as fsdp, \
             torchrun(workdir, dirs["fsdp_3"], logs["fsdp_3"], "--max_iters=3", "--fsdp=True") as fsdp_3:
@@ -66,7 +66,8 @@ def runs(workdir, tmp_path_factory):
             train.main(RUN + [f"--out_dir={dirs['single_3']}", "--max_iters=3"])
         finish(fsdp_3, logs["fsdp_3"])
         assert "2 process(es) on cpu" in finish(fsdp, logs["fsdp"])
-    for source, target in (("fsdp_3", "fsdp_3_fsdp"), ("fsdp_3", "fsdp_3_single"), ("single_3", "single_3_fsdp")):
+    for source, target in (("fsdp_3", "fsdp_3_fsdp"), ("fsdp_3", "fsdp_3_single"), ("fsdp_3", "fsdp_3_ddp"),
+                           ("single_3", "single_3_fsdp")):
         subprocess.run(["cp", "-r", dirs[source], dirs[target]], check=True)
     resume = ["--max_iters=6", "--init_from=resume"]
     # DDP's global batch given in tokens (train.micro_steps_per_process), the others' in micro-steps: 2 x 4 x 32
@@ -77,8 +78,10 @@ def runs(workdir, tmp_path_factory):
             train.main(RUN + [f"--out_dir={dirs['fsdp_3_single']}", *resume])
         finish(ddp, logs["ddp"])
         finish(fsdp_resumed, logs["fsdp_3_fsdp"])
-    with torchrun(workdir, dirs["single_3_fsdp"], logs["single_3_fsdp"], *resume, "--fsdp=True") as proc:
+    with torchrun(workdir, dirs["single_3_fsdp"], logs["single_3_fsdp"], *resume, "--fsdp=True") as proc, \
+            torchrun(workdir, dirs["fsdp_3_ddp"], logs["fsdp_3_ddp"], *resume) as ddp_resumed:
         finish(proc, logs["single_3_fsdp"])
+        finish(ddp_resumed, logs["fsdp_3_ddp"])
     return dirs
 
 
@@ -111,6 +114,12 @@ def test_a_run_resumes_on_another_number_of_processes(runs):
     loader's position is converted to the new number of processes (the same global batches follow)."""
     assert_same_run(runs["fsdp_3_single"], runs["single"], 1e-5)
     assert_same_run(runs["single_3_fsdp"], runs["single"], 1e-5)
+
+
+def test_ddp_resumes_an_fsdp_checkpoint(runs):
+    """FSDP x2 for 3 iterations, then DDP x2 to 6: the uninterrupted run within 1e-5 (the other way, FSDP from a
+    checkpoint DDP or one process wrote, is the one-process -> FSDP case above: ckpt.pt has one format)."""
+    assert_same_run(runs["fsdp_3_ddp"], runs["single"], 1e-5)
 
 
 def test_optimizer_state_names_and_numbers_convert_both_ways():
