@@ -537,6 +537,7 @@ def train(settings, run_dir):
         stopping = signalled or iter_num >= settings["max_iters"]
         evaluated_before_checkpoint = checkpoint is not None and iter_num == checkpoint["iter_num"]
         if (iter_num % settings["eval_interval"] == 0 or stopping and not signalled) and not evaluated_before_checkpoint:
+            eval_start = synced_time(device_type)
             losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
             check_finite(losses["val"], iter_num, ckpt_path)
             with autocast, whole_root(raw_model):
@@ -552,7 +553,7 @@ def train(settings, run_dir):
                     state = checkpoint_now()
                     if master:
                         run_dir.save(state)
-            time_at_log = time.perf_counter()  # keep evaluation and checkpoint writes out of the ms/iter figures
+            time_at_log += time.perf_counter() - eval_start  # evaluation and checkpoint writes: not in ms/iter
         if stopping:
             if signalled:
                 state = checkpoint_now()
@@ -589,8 +590,8 @@ def train(settings, run_dir):
         iter_num += 1
         steps_since_log += 1
         if first_step_s is None:
-            first_step_s = time_first_step(time_at_log, device_type)
-            time_at_log = time.perf_counter()
+            first_step_s = synced_time(device_type) - time_at_log
+            time_at_log += first_step_s
             if master and compiling:
                 say(f"first step: {first_step_s:.1f} s, torch.compile included; ms/iter leaves it out")
         else:
@@ -634,10 +635,11 @@ def train(settings, run_dir):
         dist.destroy_process_group()
 
 
-def time_first_step(start, device_type):
+def synced_time(device_type):
+    """time.perf_counter() once the GPU has done the work queued so far (the CPU runs ahead of it)."""
     if device_type == "cuda":
-        torch.cuda.synchronize()  # the GPU may still be running the step the CPU has queued
-    return time.perf_counter() - start
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def log_line(record):

@@ -687,3 +687,25 @@ def test_the_first_step_is_timed_alone_and_left_out_of_ms_per_iter(workdir, tmp_
         timed = logs[1:] if log_interval == 1 else logs  # an interval of the first step alone has no throughput
         assert all(r["ms_per_iter"] < 500 for r in timed), timed  # with the first step: >= 1000
         assert log_interval > 1 or "ms_per_iter" not in logs[0]
+
+
+def test_ms_per_iter_counts_every_step_of_its_interval_and_no_evaluation(workdir, tmp_path, monkeypatch):
+    """Steps of 0.2 s (a sleep in each training forward) and evaluations of 1 s, at iterations that are not log
+    iterations (eval_interval 3, log_interval 2): every logged ms/iter is a step's 0.2 s, not diluted by steps whose
+    time was dropped at an evaluation nor raised by the evaluation itself."""
+    forward, estimate_loss = model_module.GPT.forward, train.estimate_loss
+
+    def slow_forward(self, *args, **kwargs):
+        if self.training:
+            time.sleep(0.2)
+        return forward(self, *args, **kwargs)
+
+    def slow_estimate_loss(*args, **kwargs):
+        time.sleep(1.0)
+        return estimate_loss(*args, **kwargs)
+
+    monkeypatch.setattr(model_module.GPT, "forward", slow_forward)
+    monkeypatch.setattr(train, "estimate_loss", slow_estimate_loss)
+    train_main(workdir, str(tmp_path / "out"), "--max_iters=8", "--eval_interval=3", "--log_interval=2")
+    timed = [r["ms_per_iter"] for r in records(str(tmp_path / "out")) if "ms_per_iter" in r]
+    assert len(timed) == 4 and all(200 <= ms < 600 for ms in timed), timed
