@@ -159,12 +159,14 @@ def gpt_config(hf):
 def load_hf(folder):
     """The GPT (fp32, on the CPU) of a local Llama or Qwen3 folder, and its tokenizer's meta dict (None
     when the folder has no tokenizer.json). CheckpointError says what is missing or does not map."""
-    from safetensors import SafetensorError  # only this path needs safetensors
-    from safetensors.torch import load_file
-
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"no config.json in {folder}; expected a Hugging Face model folder")
+    try:
+        from safetensors import SafetensorError  # only this path needs safetensors
+        from safetensors.torch import load_file
+    except ImportError:
+        raise CheckpointError("reading a Hugging Face folder needs safetensors: pip install safetensors") from None
     with open(config_path, encoding="utf-8") as f:
         hf = json.load(f)
     config = gpt_config(hf)

@@ -178,13 +178,15 @@ def micro_steps_per_process(settings, world_size):
     if not total:
         steps = settings["gradient_accumulation_steps"]
         if steps % world_size:
+            fixed = world_size * math.ceil(steps / world_size)
             raise TrainError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
                              f"({world_size}): it counts the micro-steps of all processes together (global batch = "
-                             f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
+                             f"batch_size x it); pass --gradient_accumulation_steps={fixed}")
         return steps // world_size
     if settings["gradient_accumulation_steps"] != 1:
-        raise TrainError(f"total_batch_size ({total}) and gradient_accumulation_steps ({settings['gradient_accumulation_steps']}) "
-                         "both set the global batch; pass one of them (--total_batch_size=0 turns the first off)")
+        raise TrainError(f"total_batch_size ({total}) and gradient_accumulation_steps "
+                         f"({settings['gradient_accumulation_steps']}) both set the global batch; pass one of them "
+                         "(--total_batch_size=0 turns the first off)")
     per_micro_step = batch * block * world_size  # tokens of one micro-step on every process
     nearest = f"--total_batch_size={per_micro_step * max(1, round(total / per_micro_step))}"
     if total % block:
@@ -196,8 +198,9 @@ def micro_steps_per_process(settings, world_size):
     counts = [n for n in range(1, sequences // batch + 1) if sequences % (batch * n) == 0]
     what_to_pass = f"--batch_size={fits[0]} (the same global batch)" if fits else nearest
     elsewhere = f", or run on {', '.join(map(str, counts))} process{'es' * (counts != [1])}" if counts else ""
-    raise TrainError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into micro-batches "
-                     f"of batch_size {batch} on {world_size} processes; on {world_size} pass {what_to_pass}{elsewhere}")
+    raise TrainError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into "
+                     f"micro-batches of batch_size {batch} on {world_size} processes; on {world_size} pass "
+                     f"{what_to_pass}{elsewhere}")
 
 
 def check_fsdp(settings, distributed, ptdtype):
@@ -290,6 +293,7 @@ class RunDir:
     def start(self, settings, checkpoint):
         """A resumed run continues the log from its checkpoint; any other starts afresh, removing what an
         earlier run left (a checkpoint only with overwrite=True: the constructor refused it otherwise)."""
+        wandb = import_wandb() if settings["wandb_log"] else None  # before anything is removed
         if checkpoint is not None:
             self.saved_iter = checkpoint["iter_num"]
             self.keep_records_until(checkpoint["iter_num"])
@@ -299,9 +303,7 @@ class RunDir:
             for path in (self.ckpt_path, self.log_path):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
-        if settings["wandb_log"]:
-            import wandb  # only needed when asked for
-
+        if wandb:
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                        dir=self.out_dir)
@@ -359,6 +361,15 @@ class RunDir:
         if self.wandb:
             self.wandb.finish()
         self.lock.close()  # releases the lock
+
+
+def import_wandb():
+    try:
+        import wandb  # only needed when asked for
+    except ImportError:
+        raise TrainError("wandb_log=True needs wandb, which is not installed: pip install wandb "
+                         "(or drop --wandb_log)") from None
+    return wandb
 
 
 @contextlib.contextmanager

@@ -495,6 +495,7 @@ def test_two_process_ddp_matches_one_process(workdir, tmp_path):
 
 
 def test_offline_wandb_run_writes_its_files(workdir, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")  # a requirement, absent from the GPU machine
     for key, value in dict(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_CONSOLE="off").items():
         monkeypatch.setenv(key, value)
     out_dir = str(tmp_path)
@@ -502,6 +503,13 @@ def test_offline_wandb_run_writes_its_files(workdir, tmp_path, monkeypatch):
     run_dirs = glob.glob(os.path.join(out_dir, "wandb", "offline-run-*"))
     assert len(run_dirs) == 1, os.listdir(out_dir)
     assert glob.glob(os.path.join(run_dirs[0], "*.wandb"))
+
+
+def test_wandb_log_without_wandb_installed_is_a_one_line_error(workdir, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    with pytest.raises(train.TrainError, match="pip install wandb"):
+        train_main(workdir, str(tmp_path), "--max_iters=2", "--wandb_log=True")
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
 
 # ----------------------------------------------------------------------------------------------------
