@@ -211,8 +211,10 @@ def check_fsdp(settings, distributed, ptdtype):
         raise TrainError("optimizer=muon orthogonalizes whole matrices, which fsdp=True splits across processes; "
                          "use optimizer=adamw with fsdp, or muon without it (DDP)")
     if ptdtype == torch.float16:
-        raise TrainError("fsdp=True does not take float16 (its gradient scaler is not sharded here); use "
-                         "dtype=bfloat16 or float32")
+        # dtype=auto picks float16 only on cards without bfloat16 (before compute capability 8.0)
+        instead = "--dtype=float32 (this card has no bfloat16)" if settings["dtype"] == "auto" else \
+            "--dtype=bfloat16 or float32"
+        raise TrainError(f"fsdp=True does not take float16 (its gradient scaler is not sharded here); pass {instead}")
 
 
 def check_resume(checkpoint, settings):

@@ -214,9 +214,11 @@ def test_muon_with_fsdp_is_refused():
     assert "optimizer=muon" in str(e.value) and "optimizer=adamw" in str(e.value) and "\n" not in str(e.value)
 
 
-def test_float16_with_fsdp_is_refused():
-    with pytest.raises(train.TrainError, match="bfloat16"):
-        train.check_fsdp(dict(optimizer="adamw"), True, torch.float16)
+def test_float16_with_fsdp_is_refused_naming_a_dtype_the_card_runs():
+    with pytest.raises(train.TrainError, match="pass --dtype=bfloat16 or float32"):  # float16 asked for
+        train.check_fsdp(dict(optimizer="adamw", dtype="float16"), True, torch.float16)
+    with pytest.raises(train.TrainError, match=r"pass --dtype=float32 \(this card has no bfloat16\)"):  # a T4, auto
+        train.check_fsdp(dict(optimizer="adamw", dtype="auto"), True, torch.float16)
 
 
 def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
