@@ -26,7 +26,7 @@ from model import sample_next_token, sampling_probs
 
 
 class Samples:
-    """The text of each sample so far, whether it has ended, and the streaming of sample 0."""
+    """The text of each sample so far, whether it has ended, when each token came, and the streaming of sample 0."""
 
     def __init__(self, n, tokenizer, stops, stream):
         self.tokenizer, self.stops, self.stream = tokenizer, stops, stream
