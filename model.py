@@ -277,8 +277,8 @@ class GPT(nn.Module):
         hidden = self.hidden_states(idx, kv_cache, input_pos)
         if targets is not None and loss_chunk:
             return None, self.chunked_loss(hidden.flatten(0, 1), targets.flatten(), loss_chunk)
-        logits = self.lm_head(hidden)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
+        logits = self.lm_head(hidden)  # the loss in fp32 whatever their dtype (FSDP's bf16 policy: no autocast)
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
 
     def chunked_loss(self, hidden, targets, chunk):  # hidden (N, C), targets (N,): the same loss in less memory
