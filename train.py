@@ -440,6 +440,11 @@ def main(argv):
     finally:
         if run_dir:
             run_dir.close()
+    # Torn down only once train() has returned and freed the DDP/FSDP model: destroyed first, the group's last
+    # reference was DDP's reducer, whose release then joined gloo's worker threads holding the GIL while a worker
+    # waited for it (a deadlock, 3 runs in 90 of two processes on two busy cores; none in 180 this way).
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def train(settings, run_dir):
@@ -645,7 +650,6 @@ def train(settings, run_dir):
         progress_bar.close()
     if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
-        dist.destroy_process_group()
 
 
 def synced_time(device_type):

@@ -163,8 +163,6 @@ def worker(args):
     # a file per rank: two ranks' lines on one stdout can interleave
     with open(os.path.join(args.report_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    if world_size > 1:
-        dist.destroy_process_group()
 
 
 def worker_env(args):
@@ -230,7 +228,10 @@ def main():
     parser.add_argument("--report_dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        worker(args)
+        if dist.is_initialized():  # after worker() freed the model: see train.main
+            dist.destroy_process_group()
+        return
     if args.steps < 2:
         sys.exit("error: --steps must be >= 2: the measured step is the one after AdamW's state is made")
     names = args.cases.split(",")

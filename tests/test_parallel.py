@@ -196,6 +196,7 @@ local = lambda t: t.to_local() if hasattr(t, "to_local") else t
 tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
 tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
 os.write(1, f"{{sum(local(t).numel() * local(t).element_size() for t in tensors)}}\n".encode())  # one write
+del model, optimizer, tensors  # before the group: see train.main
 dist.destroy_process_group()
 """
 
