@@ -499,6 +499,8 @@ def train(settings, run_dir):
         for group in optimizer.param_groups:
             group["base_lr"] = settings["learning_rate"]
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
+    if checkpoint is not None and checkpoint.get("scaler"):  # {} from a run without it (or before it was saved)
+        scaler.load_state_dict(checkpoint["scaler"])  # the scale its skipped steps lowered, not a fresh 65536
     raw_model = model
     if compiling and not settings["fsdp"]:
         model = torch.compile(model)
@@ -537,7 +539,8 @@ def train(settings, run_dir):
     def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
         return dict(model=full_model_state(raw_model), optimizers=full_optimizer_states(raw_model, optimizers),
                     model_config=asdict(config), settings=settings, meta=meta, iter_num=iter_num,
-                    best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict())
+                    best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict(),
+                    scaler=scaler.state_dict())
 
     def say(text):
         if progress_bar:
