@@ -316,17 +316,6 @@ class GPT(nn.Module):
     def num_params(self):  # the tied embedding and output head counted once
         return sum(p.numel() for p in self.parameters())
 
-    def flops_per_token(self, seq_len=None):
-        """Training FLOPs per token, as in the PaLM paper (appendix B): 6 per weight of every matmul, plus
-        12 * n_layer * n_head * head_dim * seq_len for attention (counted unmasked, as is the convention)."""
-        seq_len, cfg = seq_len or self.config.block_size, self.config
-        matmul_weights = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul_weights + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
-
-    def estimate_mfu(self, tokens_per_second, peak_flops, seq_len=None):
-        """Model FLOPs utilization: training FLOP/s over peak_flops (e.g. 989e12 for an H100's dense bf16)."""
-        return self.flops_per_token(seq_len) * tokens_per_second / peak_flops
-
 
 # ----------------------------------------------------------------------------------------------------
 # Choosing the next token (generate here, engine.py for sample.py)

@@ -419,6 +419,19 @@ def task_runner(settings, meta):
     return run
 
 
+def flops_per_token(model, seq_len):
+    """Training FLOPs per token, as in the PaLM paper (appendix B): 6 per weight of every matmul, plus
+    12 * n_layer * n_head * head_dim * seq_len for attention (counted unmasked, as is the convention)."""
+    cfg = model.config
+    matmul_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return 6 * matmul_weights + 12 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+def mfu(model, tokens_per_second, peak, seq_len):
+    """Model FLOPs utilization: training FLOP/s over the hardware's peak (e.g. 989e12 for an H100's dense bf16)."""
+    return flops_per_token(model, seq_len) * tokens_per_second / peak
+
+
 def peak_flops(gpu_name, dtype):
     """The peak FLOP/s of a GPU (its exact name) in a dtype, for MFU; None if the table does not have it."""
     bf16, fp16 = PEAK_FLOPS.get(gpu_name, (None, None))
@@ -636,7 +649,7 @@ def train(settings, run_dir):
                 record["ms_per_iter"] = 1000 * (now - time_at_log) / timed_steps
                 record["tokens_per_sec"] = tokens_per_iter * 1000 / record["ms_per_iter"]
                 if peak:
-                    record["mfu"] = raw_model.estimate_mfu(record["tokens_per_sec"], peak * world_size, settings["block_size"])
+                    record["mfu"] = mfu(raw_model, record["tokens_per_sec"], peak * world_size, settings["block_size"])
             if device_type == "cuda":
                 record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9  # since the run started
             if master:

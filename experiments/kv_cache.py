@@ -6,7 +6,7 @@ context) and without it (the whole context runs again: work linear in the contex
     python experiments/kv_cache.py                  # GPT-2-small's shape (random weights), contexts 64 .. 1024
     python experiments/kv_cache.py --shape small    # config/small.py's shape, contexts 64 .. 128
 
-FLOPs are counted like GPT.flops_per_token, for inference: 2 per weight of every matmul per token run,
+FLOPs are counted like train.flops_per_token, for inference: 2 per weight of every matmul per token run,
 plus 4 * head_dim per (query, key) pair and head for q.k and the weighted sum of v (causal: a query at
 position p reads p + 1 keys). Times are one step's best of --repeats, both ways measured side by side.
 Random weights run as fast as trained ones; the logits of both ways are checked to agree.

@@ -620,6 +620,22 @@ def test_each_gpu_name_gets_its_own_peak(name, dtype, peak):
     assert train.peak_flops(name, dtype) == peak
 
 
+@pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_flops_per_token_matches_counted_flops(n_kv_head):
+    """PaLM's 6N + 12 L H hd T against the matmul FLOPs PyTorch counts in one training step."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=64))
+    idx = torch.randint(0, 97, (3, 32))
+    counter = FlopCounterMode(display=False)
+    with counter, sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are visible to the counter
+        _, loss = model(idx, idx)
+        loss.backward()
+    assert train.flops_per_token(model, 32) * idx.numel() == counter.get_total_flops()
+    assert train.mfu(model, 1000.0, train.flops_per_token(model, 32) * 4000.0, 32) == pytest.approx(0.25)
+
+
 def test_a_run_with_a_chunked_loss_trains_as_the_plain_one(workdir, tmp_path):
     """train.py's loss_chunk changes memory, not the run: the same logged losses (model.chunked_loss)."""
     for name, chunk in (("plain", 0), ("chunked", 37)):
