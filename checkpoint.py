@@ -7,6 +7,7 @@ missing, truncated or foreign file gets the same one-line message everywhere.
     model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
 
+import io
 import json
 import os
 from dataclasses import replace
@@ -31,16 +32,22 @@ def first_line(error):
 
 
 def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda:1"). A CUDA device is made the
-    current one: torch.compile, fused AdamW and the caching allocator use the current device, not the one the
-    model was moved to, so --device=cuda:1 would otherwise still touch cuda:0."""
+    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda", "cuda:1"). A CUDA device with an
+    index is made the current one: torch.compile, fused AdamW and the caching allocator use the current device, not
+    the one the model was moved to, so --device=cuda:1 would otherwise still touch cuda:0. Plain "cuda" already
+    means the current device (and torch.cuda.set_device refuses a device without an index)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise CheckpointError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
                                   "use --device=cpu (or auto)")
-        torch.cuda.set_device(device)
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise CheckpointError(f"--device={device}, but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                                  f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        if index is not None:
+            torch.cuda.set_device(index)
     return device
 
 
@@ -80,13 +87,14 @@ def save_checkpoint(path, checkpoint):
         raise CheckpointError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
-def load_checkpoint(path):
-    """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code."""
-    if not os.path.exists(path):
+def load_checkpoint(path, data=None):
+    """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code.
+    data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
+    if data is None and not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py config/small.py "
                               "(--init_from=scratch, the default)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or corrupt files raise several kinds
         raise CheckpointError(f"cannot read checkpoint {path} ({first_line(e)}); it is truncated or corrupt") from None
 

@@ -1,7 +1,13 @@
+import importlib.util
 import os
 
 import pytest
 import torch
+
+FAKE_CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_cuda")  # CUDA faked at torch's C boundary
+_spec = importlib.util.spec_from_file_location("fake_cuda_site", os.path.join(FAKE_CUDA_DIR, "sitecustomize.py"))
+fake_cuda_site = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_cuda_site)
 
 # The device the tests that take one (the `device` fixture) run on: TEST_DEVICE=cuda python -m pytest runs them
 # on the GPU. Tests about the CPU on purpose (its int8 kernels, faked CUDA, CPU timings, Hugging Face references)
@@ -41,3 +47,17 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """A machine with two CUDA GPUs, faked at torch's C boundary only (tests/fake_cuda/sitecustomize.py): call
+    fake_cuda() (or fake_cuda((7, 5)) for another compute capability) in a test. It fakes this process and, through
+    PYTHONPATH and FAKE_CUDA, every Python subprocess the test starts; the first real CUDA call (an allocation)
+    still fails, in torch.cuda._lazy_init. Returns the current device as a one-item list [index]."""
+    def install(capability=(8, 0)):
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAKE_CUDA_DIR, os.environ.get("PYTHONPATH")])))
+        monkeypatch.setenv("FAKE_CUDA", ".".join(map(str, capability)))
+        return fake_cuda_site.install(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False),
+                                      capability)
+    return install

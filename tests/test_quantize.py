@@ -343,13 +343,10 @@ BAD_MODES = {  # name: (arguments, words the message must contain)
 
 @pytest.mark.parametrize("script, name", [("sample", name) for name in BAD_MODES] +
                          [("eval", name) for name in BAD_MODES if name != "int8_compiled"])  # eval does not compile
-def test_a_mode_that_cannot_run_is_a_one_line_error(trained, monkeypatch, capsys, script, name):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (7, 5))  # a GPU without bfloat16
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args, **kwargs: "Fake GPU")
+def test_a_mode_that_cannot_run_is_a_one_line_error(trained, monkeypatch, capsys, fake_cuda, script, name):
     args, needles = BAD_MODES[name]
-    if "--device=cuda" in args:  # the fake GPU, as far as resolve_device asks
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    if "--device=cuda" in args:
+        fake_cuda((7, 5))  # a GPU without bfloat16
     path = os.path.join(ROOT, f"{script}.py")
     monkeypatch.setattr(sys, "argv", [path, f"--out_dir={trained['target']}", *args])
     with pytest.raises(SystemExit) as e:
