@@ -204,4 +204,6 @@ class ShardLoader:
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
             x = x.pin_memory().to(self.device, non_blocking=True)
             y = y.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":  # MPS and any other accelerator: a plain copy
+            x, y = x.to(self.device), y.to(self.device)
         return x, y
