@@ -20,8 +20,10 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -35,19 +37,53 @@ def checkpoint_blocks(model):
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
+def compile_blocks(model, backend="inductor"):
+    """torch.compile each block's forward on its own (FSDP's way: its gather and free hooks stay outside the
+    graphs). The forward is compiled, after checkpoint_blocks wrapped it, not the module (block.compile()): that
+    compiles Module._call_impl, whose call into torch.utils.checkpoint Dynamo does not trace, so with activation
+    checkpointing nothing was compiled; compiled from outside, Dynamo traces the checkpoint as one region."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=backend)
+
+
 def shard(model, param_dtype):
     """FSDP2: each block, then the root (embedding, final norm and the tied head), sharded in place across the
     processes. param_dtype: the dtype blocks compute in (float32, or bfloat16/float16 on CUDA); gradients are
-    always reduced in float32."""
+    always reduced in float32. The mesh is on the model's device type (cpu under gloo, cuda under NCCL):
+    fully_shard's default follows the build's accelerator, which puts a gloo run's parameters on a CUDA device
+    wherever torch was built with CUDA."""
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
 def wrap_ddp(model, device):
     return DDP(model, device_ids=[int(device.split(":")[1])] if device.startswith("cuda") else None)
+
+
+def file_from_rank0(path, device):
+    """The bytes of the file at path as global rank 0 sees it, on every rank (each must call it): nodes need not
+    share a filesystem. None on every rank where rank 0 cannot read it. device: where the process group's
+    collectives run (a CUDA device under NCCL). Holds the file twice in memory for a moment."""
+    data, size = None, -1
+    if dist.get_rank() == 0:
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(f.read())  # writable, so torch.frombuffer shares it without a warning
+            size = len(data)
+        except OSError:
+            pass
+    size = torch.tensor(size, device=device)
+    dist.broadcast(size, src=0)
+    if size.item() < 0:
+        return None
+    buffer = torch.frombuffer(data, dtype=torch.uint8).to(device) if data is not None else \
+        torch.empty(size.item(), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0)
+    return data if data is not None else buffer.cpu().numpy().tobytes()
 
 
 @contextlib.contextmanager

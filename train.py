@@ -30,8 +30,8 @@ from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 from model import GPT, GPTConfig
-from parallel import (checkpoint_blocks, full_model_state, full_optimizer_states, gradient_sync, load_optimizer_states,
-                      shard, whole_root, wrap_ddp)
+from parallel import (checkpoint_blocks, compile_blocks, file_from_rank0, full_model_state, full_optimizer_states,
+                      gradient_sync, load_optimizer_states, shard, whole_root, wrap_ddp)
 from tokenizer import Tokenizer, TokenizerError
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
@@ -203,6 +203,35 @@ def micro_steps_per_process(settings, world_size):
                      f"{what_to_pass}{elsewhere}")
 
 
+def compile_backend(settings, device_type):
+    """torch.compile's backend for the training step, or None for eager: compiled on CUDA only, where it pays
+    within a run (on a CPU inductor's compilation takes minutes)."""
+    return "inductor" if settings["compile"] and device_type == "cuda" else None
+
+
+def compiled_graphs():
+    """The graphs torch.compile has compiled in this process so far (Dynamo's own count)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def prepare_model(model, settings, device, ptdtype, backend):
+    """The model as the training step calls it, in the order that works: activation checkpointing wraps each
+    block's forward; under FSDP each block's forward is then compiled and the model sharded in place (the same
+    module comes back); otherwise the whole model is compiled and, under torchrun (one process too), wrapped
+    in DDP. backend: torch.compile's, or None for eager."""
+    if settings["activation_checkpointing"]:
+        checkpoint_blocks(model)
+    if settings["fsdp"]:
+        if backend:
+            compile_blocks(model, backend)
+        return shard(model, ptdtype)
+    if backend:
+        model = torch.compile(model, backend=backend)
+    if dist.is_initialized():
+        model = wrap_ddp(model, device)
+    return model
+
+
 def check_fsdp(settings, distributed, ptdtype):
     if not distributed:
         raise TrainError("fsdp=True shards the model across processes: run it under torchrun, e.g. torchrun "
@@ -215,6 +244,19 @@ def check_fsdp(settings, distributed, ptdtype):
         instead = "--dtype=float32 (this card has no bfloat16)" if settings["dtype"] == "auto" else \
             "--dtype=bfloat16 or float32"
         raise TrainError(f"fsdp=True does not take float16 (its gradient scaler is not sharded here); pass {instead}")
+
+
+def resume_checkpoint(path, world_size, device):
+    """out_dir/ckpt.pt, read by global rank 0 (the one that writes it) and sent to the others, so that nodes
+    without a shared filesystem resume too."""
+    if world_size == 1:
+        return load_checkpoint(path)
+    data = file_from_rank0(path, device)
+    if data is None:
+        if dist.get_rank() == 0:
+            load_checkpoint(path)  # raises rank 0's own reason (no checkpoint there, or unreadable)
+        raise CheckpointError(f"rank 0 could not read {path}; its error says why")
+    return load_checkpoint(path, data)
 
 
 def check_resume(checkpoint, settings):
@@ -467,7 +509,7 @@ def train(settings, run_dir):
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    compiling = settings["compile"] and device_type == "cuda"  # torch.compile is used on CUDA only
+    backend = compile_backend(settings, device_type)
     micro_steps = micro_steps_per_process(settings, world_size)
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
@@ -476,7 +518,7 @@ def train(settings, run_dir):
     out_dir, data_dir = settings["out_dir"], os.path.join("data", settings["dataset"])
     ckpt_path = os.path.join(out_dir, "ckpt.pt")
     init_from = settings["init_from"]
-    checkpoint = load_checkpoint(ckpt_path) if init_from == "resume" else None
+    checkpoint = resume_checkpoint(ckpt_path, world_size, device) if init_from == "resume" else None
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     pretrained = load_pretrained(init_from[3:], meta) if init_from.startswith("hf:") else None
     config = model_config(settings, meta, checkpoint, pretrained)
@@ -492,20 +534,14 @@ def train(settings, run_dir):
     if checkpoint is not None:
         check_resume(checkpoint, settings)
         model.load_state_dict(checkpoint["model"])
-    model = model.to(device)
-    if settings["activation_checkpointing"]:
-        checkpoint_blocks(model)
-    if settings["fsdp"]:
-        if compiling:
-            for block in model.layers:
-                block.compile()  # each block on its own, before sharding, as torchtitan does
-        model = shard(model, ptdtype)
-    optimizers = make_optimizers(model, settings, device_type)  # after sharding: FSDP's parameters are new
+    raw_model = model.to(device)  # the module itself: its parameters, state dict and parts
+    model = prepare_model(raw_model, settings, device, ptdtype, backend)  # what the training step calls
+    optimizers = make_optimizers(raw_model, settings, device_type)  # after sharding: FSDP's parameters are new
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
     if checkpoint is not None:
-        load_optimizer_states(model, optimizers, checkpoint["optimizers"])
+        load_optimizer_states(raw_model, optimizers, checkpoint["optimizers"])
         loader.load_state_dict(checkpoint["loader"])
         iter_num, best_val_loss, elapsed = checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
     for optimizer in optimizers:
@@ -514,11 +550,6 @@ def train(settings, run_dir):
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
     if checkpoint is not None and checkpoint.get("scaler"):  # {} from a run without it (or before it was saved)
         scaler.load_state_dict(checkpoint["scaler"])  # the scale its skipped steps lowered, not a fresh 65536
-    raw_model = model
-    if compiling and not settings["fsdp"]:
-        model = torch.compile(model)
-    if dist.is_initialized() and not settings["fsdp"]:  # under torchrun, one process too (bench/gpu_check.py)
-        model = wrap_ddp(model, device)
 
     if master:
         run_dir.start(settings, checkpoint)
@@ -564,6 +595,7 @@ def train(settings, run_dir):
     train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
     steps_since_log, timed_steps, time_at_log = 0, 0, time.perf_counter()
     first_step_s = None  # this run's first step, timed alone (it compiles and warms up): logged once, out of ms/iter
+    step_graphs = None  # the graphs torch.compile made for that step: none means it ran eagerly after all
     while True:
         elapsed = elapsed_before + time.perf_counter() - run_start
         # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
@@ -600,6 +632,7 @@ def train(settings, run_dir):
         # One optimizer step: micro_steps forward/backward passes, gradients all-reduced on the last only.
         # The random state is a function of (seed, rank, iteration), so a resumed run draws the same dropout.
         torch.manual_seed(settings["seed"] + 1_000_003 * rank + iter_num)
+        graphs_before_step = compiled_graphs()
         for micro_step in range(micro_steps):
             x, y = loader.next_batch()
             last = micro_step == micro_steps - 1
@@ -626,8 +659,12 @@ def train(settings, run_dir):
         if first_step_s is None:
             first_step_s = synced_time(device_type) - time_at_log
             time_at_log += first_step_s
-            if master and compiling:
-                say(f"first step: {first_step_s:.1f} s, torch.compile included; ms/iter leaves it out")
+            if backend:
+                step_graphs = compiled_graphs() - graphs_before_step
+                if master:
+                    say(f"first step: {first_step_s:.1f} s, torch.compile included ({step_graphs} graphs); ms/iter "
+                        "leaves it out" if step_graphs else f"first step: {first_step_s:.1f} s; torch.compile was on "
+                        "but compiled no graph for the training step: it runs eagerly")
         else:
             timed_steps += 1
         if progress_bar:
@@ -645,6 +682,8 @@ def train(settings, run_dir):
                           grad_norm=grad_norm.item())
             if timed_steps < steps_since_log:  # this interval held the first step
                 record["first_step_s"] = first_step_s
+                if backend:
+                    record["compiled_graphs"] = step_graphs
             if timed_steps:  # none when this interval held only the first step
                 record["ms_per_iter"] = 1000 * (now - time_at_log) / timed_steps
                 record["tokens_per_sec"] = tokens_per_iter * 1000 / record["ms_per_iter"]

@@ -4,15 +4,18 @@ resumes under FSDP, DDP or one process whatever wrote it; FSDP holds about half 
 checkpointing leaves the loss and gradients as they were; the settings that cannot run are one-line errors."""
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import train
 from model import GPT, GPTConfig
-from parallel import by_index, by_name, checkpoint_blocks
+from parallel import by_index, by_name, checkpoint_blocks, shard
 from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
                         workdir)  # noqa: F401
 
@@ -122,6 +125,31 @@ def test_ddp_resumes_an_fsdp_checkpoint(runs):
     assert_same_run(runs["fsdp_3_ddp"], runs["single"], 1e-5)
 
 
+ON_ITS_OWN_NODE = """import os, runpy, sys
+os.chdir(f"node{{os.environ['RANK']}}")  # each rank in a folder of its own: nodes that share no filesystem
+sys.path.insert(0, {root!r})
+sys.argv = [{train!r}] + sys.argv[1:]
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+def test_a_run_resumes_on_nodes_that_share_no_filesystem(runs, workdir, tmp_path):  # noqa: F811
+    """Each rank runs in a folder of its own, with the data in both and ckpt.pt only where rank 0 wrote it. Rank 0
+    reads it and sends it to the other: DDP x2 resumes FSDP's 3 iterations and continues as the uninterrupted run,
+    and nothing is written on the other node."""
+    for node in ("node0", "node1"):
+        shutil.copytree(workdir / "data", tmp_path / node / "data")
+    shutil.copytree(runs["fsdp_3"], tmp_path / "node0" / "run")
+    script = tmp_path / "on_its_own_node.py"
+    script.write_text(ON_ITS_OWN_NODE.format(root=ROOT, train=TRAIN))
+    log = tmp_path / "log.txt"
+    with in_background([*TORCHRUN, str(script), *RUN, "--out_dir=run", "--max_iters=6", "--init_from=resume"],
+                       tmp_path, log) as proc:
+        finish(proc, log)
+    assert not (tmp_path / "node1" / "run").exists()
+    assert_same_run(tmp_path / "node0" / "run", runs["single"], 1e-5)
+
+
 def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(runs, workdir, tmp_path):
     """The MixedPrecisionPolicy path CUDA takes (bf16 compute, fp32 gradient reduction), run with gloo: its losses
     follow one process under bf16 autocast within bf16's rounding, differ from the fp32 run by more than fp32's
@@ -140,6 +168,27 @@ def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(runs, work
     checkpoint = load_ckpt(fsdp_dir)
     assert all(t.dtype == torch.float32 for t in checkpoint["model"].values())
     assert all(s["exp_avg"].dtype == torch.float32 for s in checkpoint["optimizers"][0]["state"].values())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp_under_gloo_shards_on_the_cpu_where_torch_has_cuda(fake_cuda):
+    """fully_shard's default mesh follows the build's accelerator: on a CUDA machine a gloo run (these tests, the
+    GPU check's) would put its parameters on a GPU. shard() gives the mesh of the model's device."""
+    fake_cuda()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = shard(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_kv_head=1, n_embd=16)),
+                      torch.float32)
+        assert {(p.device_mesh.device_type, p.device.type) for p in model.parameters()} == {("cpu", "cpu")}
+        idx = torch.randint(0, 64, (2, 8))
+        model(idx, idx)[1].backward()  # gathers and reduces on the CPU
+    finally:
+        dist.destroy_process_group()
 
 
 def test_optimizer_state_names_and_numbers_convert_both_ways():
