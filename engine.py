@@ -159,6 +159,13 @@ def thin_input_linears(model, rows):
             del layer.forward
 
 
+# The compiled decode step on CUDA: mode="reduce-overhead" (CUDA graphs: eager, a step is hundreds of kernel
+# launches, launch-bound) plus coordinate-descent tuning, gpt-fast's setting: with it inductor turns a one-row
+# matrix product into a reduction (its decomposition of aten.mm), which is what fuses --quantize=int8's int8-to-16-bit
+# cast into the product, so that a batch-1 step reads int8 weights (tests/test_quantize.py shows the graph).
+CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+
+
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
     """Decode num_samples continuations of the prompt together, one token per step; samples that end
@@ -174,9 +181,9 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     n, block_size, device = settings["num_samples"], model.config.block_size, device_of(model)
     vocab_size = samples.tokenizer.vocab_size
     compiled = settings["compile"] and not settings["no_kv_cache"]
-    if compiled:  # on CUDA replayed as a CUDA graph: eager, a step is hundreds of kernel launches, launch-bound
+    if compiled:
         step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False,
-                                mode="reduce-overhead" if device.type == "cuda" else None)
+                                options=CUDA_COMPILE_OPTIONS if device.type == "cuda" else None)
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
     # A cache no longer than this run needs: the compiled step attends over all of it, so size matters.
     max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])

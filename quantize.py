@@ -10,9 +10,13 @@ row (output channel) is stored as int8 with one float scale (its largest magnitu
   On the 50304 x 768 output head it runs 3-7x faster than fp32, bf16 or torchao's int8 kernels, on an Intel Xeon
   and on an AMD EPYC (bench/RESULTS.md). torch.compile cannot trace it.
 - Elsewhere (Int8WeightOnlyLinear, for GPUs): weight-only int8, gpt-fast's form: y = (x W_int8^T) * scale, the
-  int8 weight cast to the activations' dtype inside the product. Compiled (sample.py --compile=True, which on
-  CUDA also replays CUDA graphs) inductor fuses the cast into the product, so a step reads int8 weights; eager,
-  it materializes each weight in 16 bits and is slower than --dtype=bfloat16.
+  int8 weight cast to the activations' dtype inside the product. Only compiled at batch 1 does a step read int8
+  weights: sample.py --compile=True on CUDA compiles with coordinate-descent tuning (engine.CUDA_COMPILE_OPTIONS),
+  under which inductor turns a one-row product into a reduction that takes the cast into its kernel. At batch > 1
+  (a one-row product no more), and eager, each step first writes a 16-bit copy of every weight and multiplies that:
+  more bytes than --dtype=bfloat16, so slower. (torch 2.13 ignores inductor's use_mixed_mm; its prologue fusion
+  needs max-autotune's Triton templates.) Shown by tracing on the CPU (tests/test_quantize.py); the speed is
+  bench/gpu_check.py's to measure.
 The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
 """
 

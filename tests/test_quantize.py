@@ -156,7 +156,7 @@ def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, mo
     model = replace_linears(copy.deepcopy(trained["model"]).to(device), Int8WeightOnlyLinear)
     graphs, torch_compile = [], torch.compile
 
-    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: mode="reduce-overhead" on CUDA
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: engine.CUDA_COMPILE_OPTIONS on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
@@ -172,6 +172,28 @@ def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, mo
         texts.append(samples.texts[0])
     torch._dynamo.reset()
     assert len(graphs) == 1 and texts[1] == texts[0] and len(texts[0]) == BLOCK + 10
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_compiled_on_a_gpu_a_one_row_product_reads_int8_weights(rows):
+    """What inductor makes of Int8WeightOnlyLinear under engine.CUDA_COMPILE_OPTIONS, traced with its own
+    decompositions on the meta device (any device but the CPU and MPS counts as a GPU to them). One row (batch-1
+    decoding): the product becomes multiply-and-sum, a reduction that takes the int8-to-bf16 cast into its kernel, so
+    the weights are read as int8. Several rows: a matrix multiplication of a bf16 copy of the weight made each step
+    (README says int8 pays at batch 1 only)."""
+    from torch._inductor import config
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    layer = Int8WeightOnlyLinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16)).to("meta")
+    x = torch.empty(1, rows, 64, device="meta", dtype=torch.bfloat16)
+    with config.patch(engine.CUDA_COMPILE_OPTIONS):
+        graph = make_fx(layer, decomposition_table=select_decomp_table())(x).graph
+    ops = [str(node.target) for node in graph.nodes if node.op == "call_function"]
+    if rows == 1:
+        assert "aten.mm.default" not in ops and "aten.sum.dim_IntList" in ops, ops
+    else:
+        assert "aten.mm.default" in ops, ops
+
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="fbgemm's AVX2 kernel is x86's")
 def test_without_vnni_activations_keep_to_7_bits_and_products_stay_exact():

@@ -223,7 +223,7 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
     inductor run is test_compiled_greedy_with_inductor_in_a_separate_process."""
     graphs = []
 
-    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: mode="reduce-overhead" on CUDA
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: engine.CUDA_COMPILE_OPTIONS on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
