@@ -661,10 +661,12 @@ def train(settings, run_dir):
             time_at_log += first_step_s
             if backend:
                 step_graphs = compiled_graphs() - graphs_before_step
-                if master:
-                    say(f"first step: {first_step_s:.1f} s, torch.compile included ({step_graphs} graphs); ms/iter "
-                        "leaves it out" if step_graphs else f"first step: {first_step_s:.1f} s; torch.compile was on "
-                        "but compiled no graph for the training step: it runs eagerly")
+            if master and backend and step_graphs:
+                say(f"first step: {first_step_s:.1f} s, torch.compile included ({step_graphs} graphs); ms/iter "
+                    "leaves it out")
+            elif master and backend:
+                say(f"first step: {first_step_s:.1f} s; torch.compile was on but compiled no graph for the training "
+                    "step: it runs eagerly")
         else:
             timed_steps += 1
         if progress_bar:
