@@ -1,36 +1,235 @@
-"""bench/gpu_check.py --tiny on the CPU: every step of the GPU acceptance run works, here with a tiny model, so
-that the first GPU session finds a script that runs (its figures there are the point; here they are not)."""
+"""bench/gpu_check.py: --tiny on the CPU runs every row a GPU owner's check runs, here with a tiny model, so that the
+first GPU session finds a script that works (its figures there are the point; here they are not); and a row that
+fails is reported with its error line and last output lines while the rows after it still run."""
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
+ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "fp16", "bf16", "memory", "int8", "graphs"]
+TRAINING = ["train_eager", "train", "ddp", "fsdp", "fp16", "bf16"]
+ITERS = 12  # --tiny's
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU, run bench/gpu_check.py itself")
-def test_the_gpu_check_runs_every_step_and_says_its_figures_are_not_from_a_gpu(tmp_path):
-    out = tmp_path / "check.json"
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_check.py"), "--tiny", "--no_tests",
-                             f"--out={out}"], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "not GPU figures" in result.stdout
-    figures = json.loads(out.read_text())
-    assert "not GPU figures" in figures["device"] and figures["gpu"] is False
-    runs = ["train_compile_False", "train_compile_True", "torchrun_ddp", "torchrun_fsdp"]
-    for run in runs:
-        assert figures[run]["ms_per_iter"] > 0 and figures[run]["tokens_per_sec"] > 0, run
-    # one model, one data order: one process, DDP and FSDP on one process (and compile, unused on CPU) end alike
-    losses = [figures[run]["final_loss"] for run in runs]
+def load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def check(tmp_path_factory):
+    """One run of the whole check, tiny, on the CPU, with --device=cpu: every command is seen to carry it."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU, run bench/gpu_check.py itself")
+    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
+    result = subprocess.run([sys.executable, SCRIPT, "--tiny", "--no_tests", "--device=cpu", f"--out={out}"],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return SimpleNamespace(result=result, output=result.stdout + result.stderr,
+                           figures=json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_every_row_runs_and_passes_on_the_cpu(check):
+    assert check.result.returncode == 0, check.output
+    rows = check.figures["rows"]
+    assert list(rows) == ROWS  # every row in the JSON, in order
+    assert rows["tests"]["status"] == "SKIP" and rows["tests"]["key"] == "skipped: --no_tests"
+    assert all(rows[name]["status"] == "PASS" for name in ROWS[1:]), check.output
+    assert not any("output_tail" in row for row in rows.values())  # kept for failures only
+
+
+def test_the_figures_are_sane(check):
+    rows = {name: row.get("figures") for name, row in check.figures["rows"].items()}
+    for name in TRAINING:
+        figures = rows[name]
+        assert figures["ms_per_iter"] > 0 and figures["tokens_per_sec"] > 0 and figures["first_step_s"] > 0, name
+        assert math.isfinite(figures["final_loss"]) and figures["iters"] == ITERS, name
+        assert figures["peak_memory_gb"] is None and figures["compiled_graphs"] is None, name  # CUDA only
+    assert [rows[name]["precision"] for name in TRAINING] == ["float32"] * 4 + ["float16", "bfloat16"]
+    # one global batch: one process (2 micro-steps), DDP and FSDP x2 (1 each; FSDP with activation checkpointing,
+    # which recomputes the same thing) train the same model on the same data, in float32 (measured: equal)
+    losses = [rows[name]["final_loss"] for name in ("train_eager", "train", "ddp", "fsdp")]
     assert max(losses) - min(losses) < 1e-5, losses
-    assert figures["precision"] == "float32"  # what train.py picks on a CPU
-    assert all(figures[run]["first_step_s"] > 0 for run in runs)  # timed alone (compilation on CUDA)
-    assert figures["peak_memory_gb"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # CUDA only
-    for compile in (False, True):
-        decode = figures[f"sample_compile_{compile}"]
+    # the same run in float16 and bfloat16 autocast ends near it (measured: 1.3e-5 and 7e-6 away)
+    assert all(abs(rows[name]["final_loss"] - losses[0]) < 1e-3 for name in ("fp16", "bf16"))
+    assert ITERS // 2 < rows["fp16"]["optimizer_steps"] <= ITERS and rows["fp16"]["scaler_scale"] > 0
+    assert rows["train"]["speedup_over_eager"] > 0
+    assert rows["memory"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # measured on CUDA only
+    for decode in (rows["int8"]["eager"], rows["graphs"]["eager"], rows["graphs"]["compiled"]):
         assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
-    assert figures["sample_compiled_over_eager"] > 0
+    assert "compiled" not in rows["int8"]  # compiled int8 is the GPU path: sample.py refuses it on the CPU
+    assert rows["graphs"]["compiled_over_eager"] > 0
+
+
+def test_each_row_ran_the_command_a_user_would(check):
+    rows = check.figures["rows"]
+    commands = [c for row in rows.values() for c in row["commands"] if "train.py" in c or "sample.py" in c]
+    assert len(commands) == 6 + 2 + 1 + 2 and all("--device=cpu" in c for c in commands), commands
+    assert "--nproc_per_node=2" in rows["ddp"]["commands"][0] and "--compile=True" in rows["ddp"]["commands"][0]
+    assert "--fsdp=True --activation_checkpointing=True" in rows["fsdp"]["commands"][0]
+    assert "--dtype=float16" in rows["fp16"]["commands"][0] and "--dtype=bfloat16" in rows["bf16"]["commands"][0]
+    assert "--quantize=int8" in rows["int8"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
+
+
+def test_the_summary_is_printed_saved_and_says_these_are_not_gpu_figures(check):
+    summary = check.figures["summary"]
+    assert "\n".join(summary) in check.result.stdout
+    assert summary[0] == "gpu_check on CPU (no GPU: these are not GPU figures)"
+    assert summary[1].startswith(f"torch {torch.__version__}, no CUDA")
+    assert summary[2].startswith("command: python bench/gpu_check.py --tiny")
+    for name, line in zip(ROWS, summary[3:]):
+        assert line.split()[:2] == [name, check.figures["rows"][name]["status"]]
+    assert "compile unused: train.py compiles on CUDA only" in summary[ROWS.index("ddp") + 3]
+    assert summary[-1] == "rows: 10 PASS, 0 FAIL, 1 SKIP"
+    assert "not GPU figures" in check.figures["device"] and check.figures["gpu"] is False
+
+
+def test_a_failing_row_is_reported_with_its_error_and_the_rest_still_run(tmp_path):
+    """The runner main() uses, with rows of our own: a torchrun command whose rank 1 raises (its cause must be found
+    above torchrun's own report), a row that needs it, a row with a bug of the script's own, and one that passes."""
+    gpu_check = load_script()
+    script = tmp_path / "fails.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    print('working', flush=True)\n"
+                      "    raise RuntimeError('broken on purpose')\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    rows = [("broken", [], lambda ctx: gpu_check.must(ctx, torchrun, dict(os.environ, OMP_NUM_THREADS="1"))),
+            ("needs_it", ["broken"], lambda ctx: ({}, "never runs")),
+            ("bug", [], lambda ctx: {}["missing"]),
+            ("fine", [], lambda ctx: ({"figure": 1}, "1 figure"))]
+    ctx = SimpleNamespace(log=str(tmp_path / "log.txt"), work=str(tmp_path), timeout=120, results={}, commands=[],
+                          name="CPU (test)", capability=None)
+    gpu_check.run_rows(ctx, rows)
+    broken, needs_it, bug, fine = (ctx.results[name] for name, _, _ in rows)
+    assert broken["status"] == "FAIL" and broken["error"] == "RuntimeError: broken on purpose (exit 1)", broken
+    assert "working" in broken["output_tail"] and "    raise RuntimeError('broken on purpose')" in broken["output_tail"]
+    assert not any("ChildFailedError" in line for line in broken["output_tail"])  # torchrun's report left out
+    assert needs_it == dict(status="FAIL", error="needs the broken row, which did not pass", output_tail=[],
+                            figures={}, seconds=needs_it["seconds"], commands=[])
+    assert bug["status"] == "FAIL" and bug["error"] == "gpu_check: KeyError: 'missing'"
+    assert fine["status"] == "PASS" and fine["figures"] == {"figure": 1}
+    summary = gpu_check.summary(ctx)
+    assert summary[3:] == ["broken    FAIL  RuntimeError: broken on purpose (exit 1)",
+                           "needs_it  FAIL  needs the broken row, which did not pass",
+                           "bug       FAIL  gpu_check: KeyError: 'missing'",
+                           "fine      PASS  1 figure",
+                           "rows: 1 PASS, 3 FAIL, 0 SKIP"]
+    log = (tmp_path / "log.txt").read_text()
+    assert "FAIL broken: RuntimeError: broken on purpose (exit 1)\n  last lines:\n" in log
+    assert "raise RuntimeError('broken on purpose')" in log.split("FAIL broken")[1]
+
+
+def test_a_command_past_the_timeout_is_stopped_with_its_torchrun_workers(tmp_path):
+    """torchrun's workers run in sessions of their own: stopping the command must end them too (on a GPU, a hung
+    worker would hold the card), and the row fails saying so."""
+    gpu_check = load_script()
+    script = tmp_path / "hangs.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\nprint('started', flush=True)\ntime.sleep(300)\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    ctx = SimpleNamespace(log=str(tmp_path / "log.txt"), work=str(tmp_path), timeout=12, results={}, commands=[])
+    start = time.perf_counter()
+    gpu_check.run_rows(ctx, [("hangs", [], lambda ctx: gpu_check.must(ctx, torchrun))])
+    assert time.perf_counter() - start < 60
+    result = ctx.results["hangs"]
+    assert result["status"] == "FAIL" and result["error"].startswith("timed out after 12 s (--timeout)"), result
+    for rank in (0, 1):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_input_is_one_line():
+    result = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device=gpu"], capture_output=True, text=True)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == "error: --device must be auto, cpu, cuda or cuda:N, got 'gpu'\n"
+    gpu_check = load_script()  # the other checks, in this process (each run of the script costs an import torch)
+    checks = [(lambda: gpu_check.positive_ints("8,x", "--memory_batches", many=True),
+               "error: --memory_batches must be positive integers, comma-separated, got '8,x'"),
+              (lambda: gpu_check.positive_ints("12,4", "--iters"), "error: --iters must be a positive integer, got '12,4'")]
+    if torch.cuda.device_count() <= 7:
+        checks.append((lambda: gpu_check.device_setup("cuda:7"), "error: --device=cuda:7, but this "))
+    for call, message in checks:
+        with pytest.raises(SystemExit) as exit:
+            call()
+        assert str(exit.value.code).startswith(message) and "\n" not in str(exit.value.code)
+
+
+def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
+    """The choices only a GPU meets, on CUDA faked at torch's C boundary (conftest.py): two cards of compute
+    capability 7.5 (a T4's: no bfloat16)."""
+    fake_cuda((7, 5))
+    gpu_check = load_script()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    every = gpu_check.device_setup("auto")
+    assert (every["processes"], every["torchrun_device"], every["one_card"]) == (2, "auto", {})
+    assert every["name"] == "Fake GPU (cuda:0 of 2 visible)" and every["has_bf16"] is False
+    # one card: torchrun and the tests are shown it alone (train.py under torchrun takes cuda:LOCAL_RANK)
+    one = gpu_check.device_setup("cuda:1")
+    assert (one["processes"], one["torchrun_device"], one["one_card"]) == (1, "cuda", {"CUDA_VISIBLE_DEVICES": "5"})
+    # a compile row on CUDA fails unless train.py says it compiled graphs (compiled_graphs, read where it is logged)
+    ctx = SimpleNamespace(cuda=True, has_bf16=False, capability="7.5", log=str(tmp_path / "log.txt"), results={},
+                          name=one["name"])
+    for figures in ({"compiled_graphs": None}, {"compiled_graphs": 0}):
+        with pytest.raises(gpu_check.RowFailed, match="compiled_graphs="):
+            gpu_check.compile_note(ctx, figures, "output")
+    assert gpu_check.compile_note(ctx, {"compiled_graphs": 3, "first_step_s": 41.0}, "") == \
+        "first step 41.0 s (3 graphs compiled)"
+    gpu_check.run_rows(ctx, [("bf16", [], gpu_check.row_bf16)])  # a card without bfloat16: skipped, not failed
+    assert ctx.results["bf16"]["status"] == "SKIP"
+    assert ctx.results["bf16"]["key"] == "skipped: no bfloat16 (compute capability 7.5; 8.0 on has it)"
+
+
+# Where a CPU-only torch stops a command on faked CUDA: the first call that needs the CUDA runtime (an allocation),
+# or, for torchrun's processes, the NCCL process group (a CPU build has no NCCL): past the repo's own setup either way
+NO_CUDA_RUNTIME = "AssertionError: libcudart functions unavailable"
+NO_NCCL = "RuntimeError: Distributed package doesn't have NCCL built in"
+
+
+@pytest.mark.parametrize("spelling, capability", [("cuda:1", (7, 5)), ("cuda", (8, 0)), ("auto", (8, 0))])
+def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_cuda, tmp_path, spelling, capability):
+    """The whole check with each --device spelling on faked CUDA (inherited by every command through PYTHONPATH):
+    each training command gets that device (torchrun's, for one named card, plain cuda: it is shown that card
+    alone), gets through its setup and stops where a CPU-only torch must (its first CUDA allocation; NCCL under
+    torchrun); every row still runs, fails with the command's own error line and keeps its last lines, the decoding
+    rows fail for want of train's checkpoint, and the check exits 1 after its summary. A compute capability 7.5 card
+    (a T4) skips bf16 and runs FSDP in float32."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: its commands would get past the first allocation")
+    fake_cuda(capability)
+    out = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, SCRIPT, "--tiny", "--no_tests", f"--device={spelling}", f"--out={out}"],
+                            capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 1, result.stdout + result.stderr
+    figures = json.loads(out.read_text())
+    rows, t4 = figures["rows"], capability < (8, 0)
+    index, processes = (1, 1) if spelling == "cuda:1" else (0, 2)
+    assert list(rows) == ROWS and figures["summary"][0] == f"gpu_check on Fake GPU (cuda:{index} of 2 visible), " \
+                                                          f"compute capability {capability[0]}.{capability[1]}"
+    assert [rows[name]["status"] for name in ROWS] == \
+        ["SKIP", "PASS"] + ["FAIL"] * 5 + ["SKIP" if t4 else "FAIL"] + ["FAIL"] * 3
+    for name in ["train_eager", "train", "ddp", "fsdp", "fp16", "memory"] + ([] if t4 else ["bf16"]):
+        row = rows[name]
+        one_process = "torch.distributed.run" not in row["commands"][0]
+        # the command's own error line: its last line, or under torchrun a worker's, above torchrun's report
+        assert row["error"].endswith(" (exit 1)") and row["error"][:-9] in [line.strip() for line in row["output_tail"]]
+        assert not one_process or row["error"] == row["output_tail"][-1].strip() + " (exit 1)", row
+        assert row["error"].startswith(NO_CUDA_RUNTIME if one_process else NO_NCCL), row["error"]
+        torchrun_device = "cuda" if spelling == "cuda:1" else spelling
+        assert f"--device={spelling if one_process else torchrun_device}" in row["commands"][0], row["commands"]
+    assert f"--nproc_per_node={processes}" in rows["ddp"]["commands"][0]
+    assert rows["fsdp"]["commands"][0].endswith("--dtype=float32") == t4  # FSDP takes no float16; a T4 has no bf16
+    assert rows["int8"]["error"] == rows["graphs"]["error"] == "needs the train row, which failed before writing " \
+                                                               "its checkpoint"
+    assert "\n".join(figures["summary"]) in result.stdout
+    assert figures["summary"][-1] == f"rows: 1 PASS, {8 if t4 else 9} FAIL, {2 if t4 else 1} SKIP"
