@@ -7,7 +7,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (pays off on long runs)
-    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (README: modes)
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (docs/sampling.md: modes)
     python sample.py --prompt "ROMEO:" --dtype=bfloat16       # half the bytes of float32
 
 This is the command line; the decoding itself is engine.py's. The prompt goes through the model once and

@@ -18,7 +18,7 @@ wandb_project = "gpt2-124m"
 wandb_run_name = "gpt2-124m"
 
 total_batch_size = 524288  # tokens per iteration over all GPUs (2**19, GPT-3 small's 0.5M); accumulation follows
-batch_size = 64  # per GPU and micro-step: ~46 GB eager, estimated (README); pass 32 on 40 GB cards, 16 on 24 GB
+batch_size = 64  # per GPU and micro-step: ~46 GB eager, estimated (docs/training.md); pass 32 on 40 GB cards, 16 on 24 GB
 loss_chunk = 8192  # the head's logits 8192 positions at a time: 1.6 GB in fp32 instead of 13 GB for 64 x 1024
 block_size = 1024
 

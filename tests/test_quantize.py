@@ -179,7 +179,7 @@ def test_compiled_on_a_gpu_a_one_row_product_reads_int8_weights(rows):
     decompositions on the meta device (any device but the CPU and MPS counts as a GPU to them). One row (batch-1
     decoding): the product becomes multiply-and-sum, a reduction that takes the int8-to-bf16 cast into its kernel, so
     the weights are read as int8. Several rows: a matrix multiplication of a bf16 copy of the weight made each step
-    (README says int8 pays at batch 1 only)."""
+    (docs/sampling.md says int8 pays at batch 1 only)."""
     from torch._inductor import config
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
