@@ -29,6 +29,7 @@ from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
+from machine import choose_threads
 from model import GPT, GPTConfig
 from parallel import (checkpoint_blocks, compile_blocks, file_from_rank0, full_model_state, full_optimizer_states,
                       gradient_sync, load_optimizer_states, shard, whole_root, wrap_ddp)
@@ -82,6 +83,7 @@ DEFAULTS = dict(
     fsdp=False,  # under torchrun: shard parameters, gradients and optimizer state across processes (parallel.py)
     activation_checkpointing=False,  # recompute each block's activations in the backward pass: less memory
     peak_flops=0.0,  # the hardware's peak FLOP/s for MFU; 0: known GPUs are looked up, else no MFU
+    threads=0,  # CPU threads; 0: one per core, less the cores other processes keep busy (machine.py)
     seed=1337,
 )
 MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
@@ -510,6 +512,11 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     backend = compile_backend(settings, device_type)
+    if device_type == "cpu" or settings["threads"]:  # on a shared machine, only the cores others leave free
+        threads, busy_note = choose_threads(settings["threads"], torch.get_num_threads())
+        torch.set_num_threads(threads)
+        if busy_note and master:
+            print(busy_note)
     micro_steps = micro_steps_per_process(settings, world_size)
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
