@@ -2,53 +2,83 @@
 How many CPU threads a run should use on a machine shared with other work.
 
 torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores keep
-every core's threads spinning against each other, and config/small.py took 753 s instead of 108 s beside one
-other busy process. A run that takes only the cores other processes leave free runs at the speed of that share
-(bench/bench_busy.py measures it; bench/RESULTS.md has the table). So, before it starts, a run looks at how busy
-the machine is and, when other processes keep cores busy, uses fewer threads and says so in one line.
+every core's threads spinning against each other (config/small.py beside a second copy of itself: 4.3x slower
+per iteration with torch's defaults, 1.7x with one thread each; bench/bench_busy.py, bench/RESULTS.md). A run that
+takes only the cores other processes leave free runs at the speed of that share. So a training run looks at how
+busy the machine is before it starts and again at every log, takes the cores left free, and says once, in one
+line, that the machine is busy and what to do.
 
-    threads, note = choose_threads(requested=0)   # 0: decide from the cores actually free
+    cpu = SharedCpu(requested=0)   # 0: decide from the cores actually free; N: exactly N threads
+    note = cpu.check()             # at every log: the line to print the first time the machine is busy
 """
 
 import os
 import time
 
-LOOK_SECONDS = 0.25  # how long the machine is watched at start (the CPU counters tick 100 times a second)
+import torch
+
+LOOK_SECONDS = 0.25  # how long the machine is watched before a run starts (the counters tick 100 times a second)
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
 
-def busy_cores(seconds=LOOK_SECONDS):
-    """How many cores other processes keep busy, from the kernel's CPU counters (/proc/stat) over `seconds` in which
-    this process sleeps; None where there are no such counters (macOS, Windows)."""
-    def counters():  # (all time, idle time) summed over the cores, in clock ticks
+def cpu_counters():
+    """(all CPU time, idle CPU time) of the machine summed over its cores, from the kernel's counters (/proc/stat),
+    and this process's own CPU time, all in seconds; None where there are no such counters (macOS, Windows)."""
+    try:
         with open("/proc/stat") as f:
             ticks = [int(field) for field in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-        return sum(ticks), ticks[3] + ticks[4]
-
-    try:
-        total_before, idle_before = counters()
-        time.sleep(seconds)
-        total_after, idle_after = counters()
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError):
         return None
-    total = total_after - total_before
-    return 0.0 if total <= 0 else (total - (idle_after - idle_before)) / total * os.cpu_count()
+    per_second = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return sum(ticks) / per_second, (ticks[3] + ticks[4]) / per_second, own.user + own.system
 
 
-def choose_threads(requested, current, look=busy_cores, cores=None):
-    """(threads, note): requested > 0 as given; 0 (auto): the current count (torch's: one per core, or
-    OMP_NUM_THREADS) less the cores other processes keep busy, at least 1, never more than current. note: the one
-    line to print when the machine is busy, else None. look: how busy it is (busy_cores); cores: the machine's."""
-    if requested > 0:
-        return requested, None
-    if current <= 1 or "OMP_NUM_THREADS" in os.environ:  # nothing to take away, or the user chose
-        return current, None
-    busy = look()
+def busy_cores(before, after, cores):
+    """How many cores other processes kept busy between two cpu_counters() readings (this process's own time
+    taken out); None without counters."""
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    busy = (after[0] - before[0]) - (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, busy / (after[0] - before[0]) * cores)
+
+
+def threads_for(busy, most, cores):
+    """The threads a run takes when other processes keep `busy` cores busy: the cores they leave free, at least 1,
+    at most `most` (torch's own count: one per core, or OMP_NUM_THREADS)."""
     if busy is None or busy < BUSY_CORES:
-        return current, None
-    cores = cores or os.cpu_count()
-    threads = max(1, min(current, round(cores - busy)))
-    slower = "busier than its cores" if busy > cores - 1 else "busy"
-    return threads, (f"this machine is {slower}: other processes keep {busy:.1f} of its {cores} cores busy, so this "
-                     f"run takes {threads} thread{'s' * (threads > 1)} (not {current}) and is slower than on a quiet "
-                     f"machine; stop them for full speed, or pass --threads=N to choose")
+        return most
+    return max(1, min(most, round(cores - busy)))
+
+
+class SharedCpu:
+    """The run's CPU threads (torch.set_num_threads), chosen before it starts and again at each check() from how
+    busy other processes keep the machine. requested > 0, or OMP_NUM_THREADS set: that many, never changed."""
+
+    def __init__(self, requested=0, cores=None, counters=cpu_counters):
+        self.cores, self.counters, self.said = cores or os.cpu_count(), counters, False
+        self.fixed = requested > 0 or "OMP_NUM_THREADS" in os.environ
+        if requested > 0:
+            torch.set_num_threads(requested)
+        self.most = torch.get_num_threads()
+        self.last = None if self.fixed or self.most <= 1 else self.counters()  # one thread: nothing to take away
+        if self.last is not None:
+            time.sleep(LOOK_SECONDS)  # while this process sleeps, what the counters see is other processes' work
+
+    def check(self):
+        """Take the cores left free since the last check; the one line to print the first time the machine is busy
+        (what is happening and what the user can do), else None."""
+        if self.last is None:
+            return None
+        now = self.counters()
+        busy, self.last = busy_cores(self.last, now, self.cores), now
+        threads = threads_for(busy, self.most, self.cores)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        if threads == self.most or self.said:
+            return None
+        self.said = True
+        crowded = "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
+        return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so this "
+                f"run takes {threads} thread{'s' * (threads > 1)} (not {self.most}) and is slower than on a quiet "
+                "machine; stop them for full speed, or pass --threads=N to choose")

@@ -29,7 +29,7 @@ from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
-from machine import choose_threads
+from machine import SharedCpu
 from model import GPT, GPTConfig
 from parallel import (checkpoint_blocks, compile_blocks, file_from_rank0, full_model_state, full_optimizer_states,
                       gradient_sync, load_optimizer_states, shard, whole_root, wrap_ddp)
@@ -492,9 +492,11 @@ def main(argv):
     if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
         raise TrainError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
     run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None  # only rank 0 writes
+    threads = torch.get_num_threads()  # train() may take fewer (machine.SharedCpu); a caller's process gets it back
     try:
         train(settings, run_dir)
     finally:
+        torch.set_num_threads(threads)
         if run_dir:
             run_dir.close()
     # Torn down only once train() has returned and freed the DDP/FSDP model: destroyed first, the group's last
@@ -512,11 +514,11 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     backend = compile_backend(settings, device_type)
-    if device_type == "cpu" or settings["threads"]:  # on a shared machine, only the cores others leave free
-        threads, busy_note = choose_threads(settings["threads"], torch.get_num_threads())
-        torch.set_num_threads(threads)
-        if busy_note and master:
-            print(busy_note)
+    # on a CPU shared with other work, only the cores other processes leave free, checked again at every log
+    shared_cpu = SharedCpu(settings["threads"]) if device_type == "cpu" or settings["threads"] else None
+    busy_note = shared_cpu and shared_cpu.check()
+    if busy_note and master:
+        print(busy_note)
     micro_steps = micro_steps_per_process(settings, world_size)
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
@@ -700,7 +702,10 @@ def train(settings, run_dir):
                     record["mfu"] = mfu(raw_model, record["tokens_per_sec"], peak * world_size, settings["block_size"])
             if device_type == "cuda":
                 record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9  # since the run started
+            busy_note = shared_cpu and shared_cpu.check()
             if master:
+                if busy_note:
+                    say(busy_note)
                 run_dir.log(record)
                 figures = log_line(record)
                 if progress_bar:

@@ -1,6 +1,6 @@
-"""machine.py: a run on a machine busy with other work takes only the cores left free and says so in one line;
-on a quiet machine it keeps torch's threads and says nothing. The load here is real: processes spinning on every
-core for at most 20 s."""
+"""machine.py: a run on a machine busy with other work takes only the cores left free and says so once, in one
+line; on a quiet machine it keeps torch's threads and says nothing. The load here is real: processes spinning on
+every core for at most 20 s."""
 
 import contextlib
 import os
@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from machine import busy_cores, choose_threads
+from machine import SharedCpu, busy_cores, cpu_counters, threads_for
 from test_train import TINY, TRAIN, workdir  # noqa: F401 (workdir is a fixture)
 
 SPIN = "import time\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"  # bounded, whatever happens
@@ -26,34 +27,70 @@ def every_core_busy():
             proc.wait()
 
 
-@pytest.mark.parametrize("busy, expected", [(0.0, 8), (0.3, 8), (1.0, 7), (3.4, 5), (7.9, 1), (8.0, 1)])
-def test_a_run_takes_the_cores_other_processes_leave_free(monkeypatch, busy, expected):
+@pytest.mark.parametrize("busy, expected", [(None, 8), (0.0, 8), (0.3, 8), (1.0, 7), (3.4, 5), (7.9, 1), (8.0, 1)])
+def test_a_run_takes_the_cores_other_processes_leave_free(busy, expected):
+    assert threads_for(busy, 8, 8) == expected
+    assert threads_for(busy, 4, 8) == min(expected, 4)  # never more than torch's own count
+
+
+def test_the_counters_leave_this_process_out():
+    """(all, idle, own) seconds: 2 cores for 10 s, 12 s idle, 5 s of them this process's: others kept 0.6 busy."""
+    assert busy_cores((100.0, 50.0, 1.0), (120.0, 62.0, 6.0), cores=2) == pytest.approx(0.3)
+    assert busy_cores(None, (1.0, 1.0, 1.0), cores=2) is None
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    threads, note = choose_threads(0, 8, look=lambda: busy, cores=8)
-    assert threads == expected
-    assert (note is None) == (busy < 0.5)  # a core or more in other hands is worth a line, a fraction is not
-    if note:
-        assert f"keep {busy:.1f} of its 8 cores busy" in note and f"takes {expected} thread" in note
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_what_the_user_chose_is_kept(monkeypatch):
-    assert choose_threads(3, 8, look=lambda: 8.0, cores=8) == (3, None)  # --threads=3
+def counters_from(readings):
+    """A counters function giving these (all, idle, own) readings in turn: a machine whose load the test sets."""
+    readings = iter(readings)
+    return lambda: next(readings)
+
+
+def test_the_run_follows_the_load_and_says_so_once(two_threads):
+    # 2 cores: quiet at start, then another process takes a whole core, a second one joins, then both stop
+    cpu = SharedCpu(cores=2, counters=counters_from([(0, 0, 0), (2, 2, 0), (4, 3, 0), (6, 3, 0), (8, 5, 0),
+                                                     (10, 7, 0)]))
+    assert cpu.check() is None and torch.get_num_threads() == 2  # quiet
+    note = cpu.check()  # others: 1 of the 2 seconds of CPU
+    assert torch.get_num_threads() == 1 and "keep 1.0 of its 2 cores busy" in note and "takes 1 thread" in note
+    assert cpu.check() is None and torch.get_num_threads() == 1  # busier still: said already
+    assert cpu.check() is None and torch.get_num_threads() == 2  # quiet again: all the threads back
+    assert cpu.check() is None and torch.get_num_threads() == 2
+
+
+def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
+    busy = counters_from([(0, 0, 0), (2, 0, 0), (4, 0, 0)])
+    cpu = SharedCpu(requested=1, cores=2, counters=busy)  # --threads=1
+    assert cpu.check() is None and torch.get_num_threads() == 1
+    torch.set_num_threads(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert choose_threads(0, 2, look=lambda: 8.0, cores=8) == (2, None)
-    monkeypatch.delenv("OMP_NUM_THREADS")
-    assert choose_threads(0, 1, look=lambda: 8.0, cores=8) == (1, None)  # one thread: nothing to take away
+    cpu = SharedCpu(cores=2, counters=busy)
+    assert cpu.check() is None and torch.get_num_threads() == 2
 
 
-def test_busy_cores_sees_a_real_load():
-    quiet = busy_cores(0.5)
+def test_the_counters_see_a_real_load():
+    def others_over(seconds):
+        before = cpu_counters()
+        subprocess.run(["sleep", str(seconds)])
+        return busy_cores(before, cpu_counters(), os.cpu_count())
+
+    quiet = others_over(0.5)
     with every_core_busy():
-        busy = busy_cores(0.5)
+        busy = others_over(0.5)
     assert quiet < 0.5 and busy > os.cpu_count() - 0.5, (quiet, busy)
 
 
 def test_train_says_once_that_the_machine_is_busy_and_only_then(workdir, tmp_path):  # noqa: F811
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's own thread count
-    command = [sys.executable, TRAIN, *TINY, "--max_iters=2", "--eval_interval=2", "--overwrite=True"]
+    command = [sys.executable, TRAIN, *TINY, "--max_iters=4", "--eval_interval=4", "--overwrite=True"]
     quiet = subprocess.run([*command, f"--out_dir={tmp_path / 'quiet'}"], cwd=workdir, env=env, capture_output=True,
                            text=True, timeout=120)
     with every_core_busy():
