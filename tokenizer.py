@@ -3,18 +3,23 @@ Text to token ids and back: one Tokenizer for every vocabulary this repo meets, 
 (what data/<dataset>/meta.json and checkpoints hold):
 
 - {"tokenizer": "char", "chars": [...]}: one token per character (Tiny Shakespeare by character);
-- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken;
+- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken, from the files that ship in tokenizer_files/gpt2/
+  (no network needed);
 - {"tokenizer": "bpe", "path": ".../tokenizer.json"}: another byte-level BPE from a Hugging Face folder
   (Llama 3, Qwen), read through tiktoken when tiktoken reproduces it exactly, refused otherwise.
 Each also has vocab_size and eot_token (end of text, None for characters).
 """
 
 import codecs
+import functools
 import json
 import os
 import unicodedata
 
 GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
+# GPT-2's vocab.bpe and encoder.json as tiktoken downloads them for "gpt2", byte for byte (OpenAI's Modified MIT
+# License, with them)
+GPT2_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_files", "gpt2")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
@@ -83,16 +88,55 @@ class Tokenizer:
 
 
 def named_encoding(name):
-    """tiktoken's encoding `name` ("gpt2", ...). Its files are downloaded on first use and cached: offline with
-    no cached copy that fails, and the error says where tiktoken looks for a local copy."""
+    """tiktoken's encoding `name` ("gpt2", ...). GPT-2's is built from the files in tokenizer_files/gpt2/, with no
+    network and no cache; tiktoken's own loading (download on first use, then its cache) is for other names, and
+    for GPT-2's only if that folder is missing. Offline with no cached copy that fails, and the error says where
+    tiktoken looks for a local copy."""
     import tiktoken
 
+    if name == "gpt2" and os.path.isdir(GPT2_FILES):
+        # Before tiktoken's download, not after: offline, tiktoken's download (requests, no timeout) fails in 0.15 s
+        # when DNS fails at once, in 10 s per process when the DNS server does not answer, and never when a
+        # firewall or proxy accepts the connection and says nothing. The files are the same bytes either way.
+        return shipped_gpt2()
     try:
         return tiktoken.get_encoding(name)
     except Exception as e:  # no network: requests' ConnectionError; an unknown name: ValueError; ...
         reason = (str(e) or type(e).__name__).splitlines()[0][:160]
-        raise TokenizerError(f"cannot load tiktoken's {name!r} encoding ({reason}); offline, set TIKTOKEN_CACHE_DIR "
-                             "to a folder holding a cached copy of its files") from None
+        shipped = f"restore {GPT2_FILES} (git checkout -- tokenizer_files) or " if name == "gpt2" else ""
+        raise TokenizerError(f"cannot load tiktoken's {name!r} encoding ({reason}); offline, {shipped}set "
+                             "TIKTOKEN_CACHE_DIR to a folder holding a cached copy of its files") from None
+
+
+@functools.cache
+def shipped_gpt2():
+    """The Encoding tiktoken.get_encoding("gpt2") returns (tiktoken_ext.openai_public.gpt2), built from the shipped
+    vocab.bpe and encoder.json as tiktoken.load.data_gym_to_mergeable_bpe_ranks builds it: the 256 bytes, then one
+    token per merge in vocab.bpe's order, checked against encoder.json's ids. Not through that function itself:
+    it would copy both files into tiktoken's cache folder, and fail where that folder is read-only."""
+    import tiktoken
+    from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
+
+    eot = GPT2_META["eot_token"]
+    try:
+        with open(os.path.join(GPT2_FILES, "vocab.bpe"), "rb") as f:
+            merges = [line.split() for line in f.read().decode().split("\n")[1:-1]]  # line 1: "#version: 0.2"
+        with open(os.path.join(GPT2_FILES, "encoder.json"), "rb") as f:
+            encoder = json.loads(f.read())
+        to_byte = {u: b for b, u in byte_to_unicode().items()}
+        ranks = {bytes([b]): i for i, b in enumerate(to_byte.values())}  # the same order as tiktoken's
+        ranks.update({bytes(to_byte[c] for c in a + b): len(to_byte) + i for i, (a, b) in enumerate(merges)})
+        consistent = (encoder.pop(ENDOFTEXT, None) == eot
+                      and ranks == {bytes(to_byte[c] for c in token): i for token, i in encoder.items()})
+    except (OSError, ValueError, KeyError) as e:  # a missing or unreadable file, bad JSON or UTF-8, a bad line
+        consistent, reason = False, f" ({type(e).__name__}: {str(e)[:100]})"
+    else:
+        reason = ""
+    if not consistent:
+        raise TokenizerError(f"{GPT2_FILES}: vocab.bpe or encoder.json is damaged{reason}; restore them "
+                             "from git (git checkout -- tokenizer_files)")
+    return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
+                             special_tokens={ENDOFTEXT: eot}, explicit_n_vocab=GPT2_META["vocab_size"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,12 +187,10 @@ def tiktoken_encoding(path):
 
 
 def gpt2_ranks():
-    """tiktoken's GPT-2 vocabulary, or None when its file can't be had (no network, no cache)."""
-    import tiktoken
-
+    """tiktoken's GPT-2 vocabulary, or None when its files can't be had."""
     try:
-        return tiktoken.get_encoding("gpt2")._mergeable_ranks
-    except Exception:  # a download failure surfaces as any of several exception types
+        return named_encoding("gpt2")._mergeable_ranks
+    except TokenizerError:
         return None
 
 
