@@ -10,6 +10,7 @@ missing, truncated or foreign file gets the same one-line message everywhere.
 import io
 import json
 import os
+import shlex
 from dataclasses import replace
 
 import torch
@@ -87,12 +88,22 @@ def save_checkpoint(path, checkpoint):
         raise CheckpointError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
+def train_command(path, config="config/small.py", extra=""):
+    """The train.py command, in backquotes, that writes the checkpoint asked for at path: out_dir/ckpt.pt, or a .pt file
+    of another name (train.py writes ckpt.pt in its folder, then that is the file to load). extra: more arguments."""
+    out_dir = os.path.dirname(path) or "."
+    command = f"`python train.py {config} --out_dir={shlex.quote(out_dir)}{extra}`"
+    if os.path.basename(path) != "ckpt.pt":
+        command += f", which writes {os.path.join(out_dir, 'ckpt.pt')}: load that"
+    return command
+
+
 def load_checkpoint(path, data=None):
     """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code.
     data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
     if data is None and not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}; train one first: python train.py config/small.py "
-                              "(--init_from=scratch, the default)")
+        raise CheckpointError(f"no checkpoint at {path}; train one first (--init_from=scratch, the default): "
+                              f"{train_command(path)}")
     try:
         return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or corrupt files raise several kinds
@@ -112,14 +123,21 @@ def model_from_checkpoint(checkpoint, path):
 def load_model(source, device="cpu", dtype=torch.float32):
     """The model (in eval mode, on device, in dtype) and its tokenizer meta, from source: an out_dir holding
     ckpt.pt, a .pt file, or "hf:folder" for a Hugging Face Llama/Qwen3 folder with its tokenizer.json."""
+    return load_run(source, device, dtype)[:2]
+
+
+def load_run(source, device="cpu", dtype=torch.float32):
+    """load_model's (model, meta), and the dataset the model was trained on (a train.py checkpoint's setting; None
+    for a Hugging Face folder)."""
     if source.startswith("hf:"):
-        model, meta = load_hf(source[3:])
+        (model, meta), dataset = load_hf(source[3:]), None
         if meta is None:
             raise CheckpointError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
     else:
         path = source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
-        model, meta = model_from_checkpoint(load_checkpoint(path), path)
-    return model.to(device=device, dtype=dtype).eval(), meta
+        checkpoint = load_checkpoint(path)
+        (model, meta), dataset = model_from_checkpoint(checkpoint, path), checkpoint.get("settings", {}).get("dataset")
+    return model.to(device=device, dtype=dtype).eval(), meta, dataset
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from checkpoint import CheckpointError, load_checkpoint, load_model, model_from_checkpoint, resolve_device, resolve_dtype
+from checkpoint import CheckpointError, load_run, resolve_device, resolve_dtype
 from configurator import ConfigError, configure
 from data.shards import DataError, find_shards, read_shard
 from engine import token_logprobs
@@ -57,15 +57,9 @@ class EvalError(Exception):
 
 def load(settings, device, dtype):
     """(model, tokenizer meta, the dataset it was trained on: a checkpoint's, None for a Hugging Face folder)."""
-    if settings["init_from"].startswith("hf:"):
-        return *load_model(settings["init_from"], device, dtype), None
-    if settings["init_from"] != "resume":
+    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
         raise EvalError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
-    source = settings["out_dir"]
-    path = source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
-    checkpoint = load_checkpoint(path)
-    model, meta = model_from_checkpoint(checkpoint, path)
-    return model.to(device=device, dtype=dtype).eval(), meta, checkpoint.get("settings", {}).get("dataset")
+    return load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"], device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --out_dir=out-gpt2-124m --prompt "The meaning of life is" --num_samples=3
     python sample.py --prompt FILE:prompt.txt                 # or --prompt - to read it from stdin
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
+                                                              # (python train.py config/small_draft.py trains it)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (pays off on long runs)
     python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (docs/sampling.md: modes)
@@ -16,12 +17,14 @@ stop string) leaves the batch, and past block_size the window slides. The first 
 others are printed when the batch is done. Speed figures go to stderr.
 """
 
+import os
+import shlex
 import sys
 import time
 
 import torch
 
-from checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
+from checkpoint import CheckpointError, load_model, load_run, resolve_device, resolve_dtype, train_command
 from configurator import ConfigError, configure
 from engine import Samples, decode_batch, decode_speculative
 from model import check_sampling
@@ -47,6 +50,7 @@ DEFAULTS = dict(
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
     draft_k=4,  # tokens the draft proposes per step
 )
+DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
 SEPARATOR = "\n" + "-" * 40 + "\n"
 WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
 
@@ -88,18 +92,31 @@ def check_settings(settings):
     return stops
 
 
+def check_draft_exists(draft, dataset):
+    """A draft out_dir (or .pt) without a checkpoint: the command that trains one on the model's dataset (known when
+    the model is a train.py checkpoint) into it."""
+    path = draft if draft.endswith(".pt") else os.path.join(draft, "ckpt.pt")
+    if draft.startswith("hf:") or os.path.exists(path):
+        return
+    extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
+    on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
+    raise SampleError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "
+                      f"{train_command(path, DRAFT_CONFIG, extra)}")
+
+
 def main(argv):
     settings = configure(DEFAULTS, argv)
     stops = check_settings(settings)
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
     check_quantize(settings["quantize"], device, settings["compile"])
-    source = settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"]
-    model, meta = load_model(source, device, dtype)
+    model, meta, dataset = load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"],
+                                    device, dtype)
     quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
     draft = None
     if settings["draft"]:
+        check_draft_exists(settings["draft"], dataset)
         draft, draft_meta = load_model(settings["draft"], device, dtype)
         if draft_meta != meta:
             raise SampleError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "

@@ -267,6 +267,49 @@ def check_resume(checkpoint, settings):
                          f"resume with that optimizer")
 
 
+# Settings that may differ on a resume without changing the run, left out of its "settings changed" line:
+# init_from (resume, this time) and overwrite (about starting afresh) are about how the run starts; out_dir is where
+# the checkpoint lies now (a copied or moved run); threads fits the machine it runs on (machine.py).
+RESUME_NOISE = ("init_from", "overwrite", "out_dir", "threads")
+FROM_CHECKPOINT = set(MODEL_KEYS + ["vocab_size"]) - {"block_size"}  # a resume takes the model's config from it
+
+
+def resume_report(checkpoint, settings):
+    """The lines rank 0 prints on resuming: the iteration, best val loss and save time of the checkpoint; then, if any
+    setting differs from the checkpoint's run, one line listing them, with the learning rate's jump where the
+    schedule moved it. A setting the checkpoint predates counts as its default (what that code did)."""
+    it = checkpoint["iter_num"]
+    best = checkpoint["best_val_loss"]
+    about = [f"best val loss {best:.4f}" if math.isfinite(best) else "no val loss yet"]
+    if checkpoint.get("saved_at") is not None:  # checkpoints before it was saved have none
+        about.append(f"saved at {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(checkpoint['saved_at']))}")
+    lines = [f"resumed from iteration {it} of {settings['max_iters']} ({', '.join(about)})"]
+    before = dict(DEFAULTS, **checkpoint["settings"])
+    changed = {key: f"{key} {show(before[key])} -> {show(value)}" for key, value in settings.items()
+               if key not in RESUME_NOISE and before[key] != value}
+    if changed:
+        used = [change for key, change in changed.items() if key not in FROM_CHECKPOINT]
+        unused = [change for key, change in changed.items() if key in FROM_CHECKPOINT]
+        parts = [", ".join(used)] if used else []
+        if unused:
+            parts.append(f"with no effect (the model is the checkpoint's): {', '.join(unused)}")
+        line = f"settings changed since the checkpoint: {'; '.join(parts)}"
+        try:
+            lr_before = before["learning_rate"] * lr_multiplier(it, before)
+            lr_now = settings["learning_rate"] * lr_multiplier(it, settings)
+        except (ZeroDivisionError, TypeError):  # a learning rate of 0, or a schedule setting of the wrong type
+            lr_before = lr_now = None
+        if lr_before is not None and not math.isclose(lr_before, lr_now, rel_tol=1e-6):
+            line += f"; the learning rate at iteration {it} goes from {lr_before:.2e} to {lr_now:.2e}"
+        lines.append(line)
+    return lines
+
+
+def show(value):
+    """A setting's value as the line of changes shows it: as typed on the command line, empty strings quoted."""
+    return repr(value) if value == "" else str(value)
+
+
 def lr_multiplier(it, settings):
     """The learning rate at iteration it, as a fraction of learning_rate: linear warmup, then cosine or
     warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after."""
@@ -341,6 +384,8 @@ class RunDir:
         earlier run left (a checkpoint only with overwrite=True: the constructor refused it otherwise)."""
         wandb = import_wandb() if settings["wandb_log"] else None  # before anything is removed
         if checkpoint is not None:
+            for line in resume_report(checkpoint, settings):
+                print(line)
             self.saved_iter = checkpoint["iter_num"]
             self.keep_records_until(checkpoint["iter_num"])
         else:
@@ -593,7 +638,7 @@ def train(settings, run_dir):
         return dict(model=full_model_state(raw_model), optimizers=full_optimizer_states(raw_model, optimizers),
                     model_config=asdict(config), settings=settings, meta=meta, iter_num=iter_num,
                     best_val_loss=best_val_loss, elapsed=elapsed, loader=loader.state_dict(),
-                    scaler=scaler.state_dict())
+                    scaler=scaler.state_dict(), saved_at=time.time())  # wall-clock, for the resume line
 
     def say(text):
         if progress_bar:

@@ -7,9 +7,11 @@ pattern `*_<split>_*.bin`, and a meta.json describing the tokenizer. See data/RE
 """
 
 import contextlib
+import difflib
 import glob
 import json
 import os
+import shlex
 
 import numpy as np
 import torch
@@ -80,13 +82,61 @@ def write_meta(data_dir, meta):
         f.write(json.dumps(meta, indent=1).encode())
 
 
+DATA_ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository's data/: a folder per dataset, with prepare.py
+
+
+def prepare_script(name):
+    """The repository's data/<name>/prepare.py, or None where there is none."""
+    path = os.path.join(DATA_ROOT, name, "prepare.py")
+    return path if os.path.isfile(path) else None
+
+
 def prepare_command(data_dir):
-    return f"python data/{os.path.basename(os.path.normpath(data_dir))}/prepare.py"
+    """The command, run from the current directory, that writes the dataset folder data_dir (data/<name> as
+    train.py reads it), or None where the repository has no data/<name>/prepare.py. Each script writes into its own
+    folder by default: `python data/<name>/prepare.py` from the repository's root; from elsewhere, with --out_dir."""
+    script = prepare_script(os.path.basename(os.path.normpath(data_dir)))
+    if script is None:
+        return None
+    if os.path.realpath(data_dir) != os.path.realpath(os.path.dirname(script)):
+        return f"python {shlex.quote(script)} --out_dir {shlex.quote(str(data_dir))}"
+    in_root = os.path.realpath(os.getcwd()) == os.path.realpath(os.path.dirname(DATA_ROOT))
+    return f"python {os.path.relpath(script) if in_root else shlex.quote(script)}"
+
+
+def rerun(data_dir):
+    command = prepare_command(data_dir)
+    return f"re-run `{command}`" if command else "re-run the prepare script that wrote it"
+
+
+def datasets_hint(data_dir):
+    """What to do about a dataset folder that does not exist and has no prepare script: which datasets there are
+    (the repository's data/<name>/ with a prepare.py), which are prepared next to data_dir already, and a command
+    for one: the closest name first, then shakespeare_char and shakespeare (no hours of downloading)."""
+    names = sorted(n for n in os.listdir(DATA_ROOT) if prepare_script(n))
+    if not names:
+        return f"there is no prepare script under {DATA_ROOT}"
+    parent = os.path.dirname(os.path.normpath(data_dir))
+    prepared = [n for n in names if glob.glob(os.path.join(parent, n, "*_train_*.bin"))]
+    close = difflib.get_close_matches(os.path.basename(os.path.normpath(data_dir)), names, n=1)
+    order = list(dict.fromkeys(close + [n for n in ("shakespeare_char", "shakespeare") if n in names] + names))
+    ready = [n for n in order if n in prepared][:1]
+    to_prepare = [n for n in order if n not in prepared][:1]
+    hint = f"the datasets are {', '.join(names)} (data/<name>/prepare.py)"
+    if prepared:
+        hint += f", prepared already: {', '.join(prepared)}"
+    todo = [f"pass --dataset={n}" for n in ready] + [
+        f"prepare one, e.g. `{prepare_command(os.path.join(parent, n))}`, then pass --dataset={n}" for n in to_prepare]
+    if close and close[0] not in prepared:  # the name meant, most likely: first
+        todo.reverse()
+    return f"{hint}; {', or '.join(todo)}"
 
 
 def require_dir(data_dir):
     if not os.path.isdir(data_dir):
-        raise DataError(f"dataset folder {data_dir} not found; prepare it with `{prepare_command(data_dir)}`")
+        command = prepare_command(data_dir)  # data/<name>/prepare.py exists but has not been run: run it
+        hint = f"prepare it with `{command}`" if command else datasets_hint(data_dir)
+        raise DataError(f"dataset folder {data_dir} not found; {hint}")
 
 
 def load_meta(data_dir):
@@ -100,9 +150,9 @@ def load_meta(data_dir):
             meta = json.load(f)
         vocab_size = meta["vocab_size"]
     except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path}: not valid metadata (needs a JSON object with vocab_size); re-run `{prepare_command(data_dir)}`") from None
+        raise DataError(f"{path}: not valid metadata (needs a JSON object with vocab_size); {rerun(data_dir)}") from None
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise DataError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; re-run `{prepare_command(data_dir)}`")
+        raise DataError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; {rerun(data_dir)}")
     return meta
 
 
@@ -120,7 +170,10 @@ def find_shards(data_dir, split):
     require_dir(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.bin")))
     if not paths:
-        raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; prepare them with `{prepare_command(data_dir)}`")
+        command = prepare_command(data_dir)
+        how = f"prepare them with `{command}`" if command else \
+            "write them with a prepare script's --out_dir (data/README.md)"
+        raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {how}")
     return paths
 
 

@@ -4,13 +4,19 @@ logits, and resumes training exactly where that code would have gone; device and
 
 import json
 import os
+import re
+import runpy
+import shlex
 import shutil
+import sys
 
 import pytest
 import torch
 
+import train
 from checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
-from test_train import in_dir, records, workdir  # noqa: F401 (workdir is a fixture)
+from configurator import configure
+from test_train import ROOT, TINY, in_dir, records, workdir  # noqa: F401 (workdir is a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -49,6 +55,51 @@ def test_a_checkpoint_from_before_the_restructure_resumes_as_it_would_have(workd
         assert ours.keys() == theirs.keys()
         for key in theirs:
             assert ours[key] == pytest.approx(theirs[key], abs=1e-5), (ours, theirs)
+
+
+def script_error(monkeypatch, script, *argv):
+    """The one-line message a script exits with for argv."""
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+    message = e.value.code
+    assert isinstance(message, str) and message.startswith("error: ") and "\n" not in message, message
+    return message
+
+
+def hinted_train_command(message):
+    """The train.py command a message names in backquotes: its arguments after `python train.py`."""
+    command = shlex.split(re.search(r"`([^`]+)`", message).group(1))
+    assert command[:2] == ["python", "train.py"] and os.path.isfile(os.path.join(ROOT, command[2])), command
+    return command[2:]
+
+
+@pytest.mark.parametrize("script", ["sample.py", "eval.py", "attention.py"])
+@pytest.mark.parametrize("asked", ["out dir", os.path.join("run", "model.pt")], ids=["folder", "pt_file"])
+def test_no_checkpoint_names_a_train_command_for_the_folder_asked_for(monkeypatch, tmp_path, script, asked):
+    """The command trains into the folder asked for (the folder of a .pt file, which it then names); spaces quoted."""
+    path = str(tmp_path / asked)
+    message = script_error(monkeypatch, script, f"--out_dir={path}", "--device=cpu")
+    assert "no checkpoint at " + (path if path.endswith(".pt") else os.path.join(path, "ckpt.pt")) in message
+    args = hinted_train_command(message)
+    with in_dir(ROOT):
+        settings = configure(train.DEFAULTS, args)
+    assert settings["out_dir"] == (os.path.dirname(path) if path.endswith(".pt") else path), message
+    if path.endswith(".pt"):
+        assert f"which writes {os.path.join(os.path.dirname(path), 'ckpt.pt')}" in message, message
+
+
+def test_the_named_train_command_trains_what_sample_py_then_loads(workdir, monkeypatch, tmp_path, capsys):  # noqa: F811
+    """The command of the message above, run with tiny settings after it (its config file and --out_dir kept)."""
+    import sample
+
+    out_dir = str(tmp_path / "out-nonexistent")
+    args = hinted_train_command(script_error(monkeypatch, "sample.py", f"--out_dir={out_dir}", "--device=cpu"))
+    with in_dir(workdir):
+        train.main([os.path.join(ROOT, args[0]), *TINY, *args[1:], "--max_iters=2", "--eval_interval=2"])
+    capsys.readouterr()
+    sample.main([f"--out_dir={out_dir}", "--prompt=ROMEO:", "--max_new_tokens=5", "--device=cpu"])
+    assert capsys.readouterr().out.startswith("ROMEO:")
 
 
 # resolve_device and resolve_dtype on the CPU (on faked GPUs: test_fake_cuda.py)

@@ -1,20 +1,23 @@
 """Tests for the token shards: format, prepare scripts, resume, errors, and the loader's sampling."""
 
+import glob
 import json
 import os
+import re
 import resource
+import shlex
 import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-import tiktoken
 import torch
 
 from data.shakespeare import prepare as shakespeare
 from data.shards import DataError, ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
 from files import atomic_open
+from tokenizer import named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_PATH = os.path.join(ROOT, "data", "shakespeare", "input.txt")
@@ -114,7 +117,7 @@ def test_shakespeare_bpe_prepare(tmp_path):
     result = run_script("data/shakespeare/prepare.py", "--out_dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     text = open(TEXT_PATH, encoding="utf-8").read()
-    enc, n_train = tiktoken.get_encoding("gpt2"), len(text) * 9 // 10
+    enc, n_train = named_encoding("gpt2"), len(text) * 9 // 10
     (train,), (val,) = split_tokens(tmp_path, "train"), split_tokens(tmp_path, "val")
     assert train.tolist() == enc.encode_ordinary(text[:n_train])
     assert val.tolist() == enc.encode_ordinary(text[n_train:])
@@ -179,7 +182,7 @@ def test_fineweb_pipeline_gives_tiktoken_tokens(tmp_path, ext, fineweb):
     docs = make_docs()
     write_corpus(tmp_path / f"corpus.{ext}", docs)
     prepare_fineweb(fineweb, tmp_path / f"corpus.{ext}", tmp_path / "out")
-    enc = tiktoken.get_encoding("gpt2")
+    enc = named_encoding("gpt2")
     expected = [t for d in docs for t in [GPT2_EOT] + enc.encode_ordinary(d)]
     val, train = split_tokens(tmp_path / "out", "val"), split_tokens(tmp_path / "out", "train")
     shards = val + train
@@ -327,7 +330,10 @@ def test_corrupt_shard_errors(dataset, corrupt, words):
 def test_loader_errors(dataset, tmp_path):
     with pytest.raises(DataError) as error:
         ShardLoader(tmp_path / "nope", "train", batch_size=2, block_size=8)
-    assert_one_line(error, tmp_path / "nope", "python data/nope/prepare.py")
+    names = sorted(n for n in os.listdir(os.path.join(ROOT, "data"))
+                   if os.path.isfile(os.path.join(ROOT, "data", n, "prepare.py")))
+    assert_one_line(error, tmp_path / "nope", f"the datasets are {', '.join(names)} (data/<name>/prepare.py)")
+    assert "shakespeare_char" in names and "data/nope/prepare.py" not in str(error.value)  # no such script
     with pytest.raises(DataError) as error:
         ShardLoader(dataset, "val", batch_size=2, block_size=8)
     assert_one_line(error, "*_val_*.bin", dataset)
@@ -343,6 +349,44 @@ def test_loader_errors(dataset, tmp_path):
     with pytest.raises(DataError) as error:
         load_meta(dataset)
     assert_one_line(error, dataset / "meta.json")
+
+
+def hinted_command(error):
+    """The command in backquotes in a DataError's message, as argv."""
+    return shlex.split(re.search(r"`([^`]+)`", str(error.value)).group(1))
+
+
+def test_a_dataset_whose_prepare_script_was_not_run_names_that_script_and_it_works(tmp_path, monkeypatch):
+    """From another directory than the repository's root, data/shakespeare_char there is made by the repository's
+    script with --out_dir; the same message for a folder that exists without shards."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as error:
+        ShardLoader("data/shakespeare_char", "train", batch_size=2, block_size=8)
+    assert_one_line(error, "dataset folder data/shakespeare_char not found; prepare it with `python ")
+    command = hinted_command(error)
+    assert command[1] == os.path.join(ROOT, "data", "shakespeare_char", "prepare.py")
+    os.makedirs("data/shakespeare_char")  # an empty folder: no shards yet
+    with pytest.raises(DataError) as error:
+        ShardLoader("data/shakespeare_char", "train", batch_size=2, block_size=8)
+    assert_one_line(error, "no train shards")
+    assert hinted_command(error) == command
+    subprocess.run([sys.executable, *command[1:]], check=True, capture_output=True, timeout=120)
+    ShardLoader("data/shakespeare_char", "train", batch_size=2, block_size=8)
+
+
+def test_from_the_repository_root_the_prepare_command_is_the_short_one(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    if glob.glob("data/fineweb/*_train_*.bin"):
+        pytest.skip("data/fineweb is prepared in this checkout")
+    with pytest.raises(DataError) as error:
+        ShardLoader("data/fineweb", "train", batch_size=2, block_size=8)
+    assert_one_line(error, "no train shards (*_train_*.bin) in data/fineweb; "
+                           "prepare them with `python data/fineweb/prepare.py`")
+    with pytest.raises(DataError) as error:
+        ShardLoader("data/nope", "train", batch_size=2, block_size=8)
+    commands = [shlex.split(c) for c in re.findall(r"`([^`]+)`", str(error.value))]
+    assert commands or "pass --dataset=" in str(error.value)  # none when every dataset is prepared here
+    assert all(len(c) == 2 and c[1].startswith("data/") and os.path.isfile(c[1]) for c in commands), commands
 
 
 # --- the loader's sampling ---

@@ -14,17 +14,19 @@ import io
 import os
 import re
 import runpy
+import shlex
 import subprocess
 import sys
 from dataclasses import asdict
 
 import pytest
-import tiktoken
 import torch
 
 import sample
 from configurator import ConfigError
+from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
+from tokenizer import named_encoding
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -375,6 +377,46 @@ def test_a_bad_draft_is_a_one_line_error(ckpts, monkeypatch, tmp_path, draft):
     assert path in message
 
 
+def test_a_missing_draft_names_the_draft_config_for_the_model_s_dataset_and_it_works(ckpts, monkeypatch, tmp_path,
+                                                                                      capsys):
+    """A model trained by train.py on shakespeare_char (its checkpoint says so) and --draft naming a folder without a
+    checkpoint: the command trains config/small_draft.py on that dataset into that folder. Run with tiny settings
+    after it (its config, --out_dir and --dataset kept), it gives a draft that sample.py then uses."""
+    import train
+    from configurator import configure
+    from test_train import TINY, in_dir
+
+    model_path = str(tmp_path / "model" / "ckpt.pt")
+    checkpoint = torch.load(ckpts["target"], weights_only=True)
+    os.makedirs(os.path.dirname(model_path))
+    torch.save(dict(checkpoint, settings=dict(dataset="shakespeare_char")), model_path)
+    draft = str(tmp_path / "my draft")
+    message = script_error(monkeypatch, f"--out_dir={model_path}", f"--draft={draft}", f"--prompt={PROMPT}")
+    assert f"no checkpoint at {os.path.join(draft, 'ckpt.pt')}" in message
+    command = shlex.split(re.search(r"`([^`]+)`", message).group(1))
+    assert command[:3] == ["python", "train.py", "config/small_draft.py"], message
+    with in_dir(ROOT):
+        settings = configure(train.DEFAULTS, command[2:])
+        small = configure(train.DEFAULTS, ["config/small.py"])
+    assert settings["out_dir"] == draft and settings["dataset"] == "shakespeare_char" == small["dataset"]
+    assert settings["n_layer"] < small["n_layer"] and settings["block_size"] == small["block_size"]
+
+    data = tmp_path / "work"
+    prepare_char.main(["--out_dir", str(data / "data" / "shakespeare_char")])
+    with in_dir(data):
+        train.main([os.path.join(ROOT, command[2]), *TINY, *command[3:], "--max_iters=2", "--eval_interval=2"])
+    err = run(capsys, f"--out_dir={model_path}", f"--draft={draft}", f"--prompt={PROMPT}", "--max_new_tokens=20").err
+    assert ACCEPTANCE.search(err), err
+
+    torch.save(dict(checkpoint, settings=dict(dataset="shakespeare")), model_path)  # a model of another dataset
+    message = script_error(monkeypatch, f"--out_dir={model_path}", f"--draft={draft}x", f"--prompt={PROMPT}")
+    with in_dir(ROOT):
+        assert configure(train.DEFAULTS, shlex.split(re.search(r"`([^`]+)`", message).group(1))[2:])["dataset"] == \
+            "shakespeare", message
+    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", f"--draft={draft}x", f"--prompt={PROMPT}")
+    assert "pass it as --dataset" in message and "--dataset=" not in message  # a model without train.py's settings
+
+
 def test_errors_come_before_any_output(ckpts, capsys):
     with pytest.raises(ConfigError):
         sample.main([f"--out_dir={ckpts['target']}", "--max_new_tokens=ten"])
@@ -395,7 +437,7 @@ def bpe_ckpt(tmp_path_factory):
     """A gpt2-tokenizer model whose greedy continuation of TEXT's first token is the rest of TEXT, then
     end-of-text: each token's embedding is its own axis, the blocks add nothing (zero output projections),
     and the output head maps token i's axis to token i + 1."""
-    enc = tiktoken.get_encoding("gpt2")
+    enc = named_encoding("gpt2")
     chain = enc.encode(TEXT) + [enc.eot_token]
     assert len(set(chain)) == len(chain) <= 32
     config = GPTConfig(vocab_size=50304, block_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=32,
@@ -426,7 +468,7 @@ def test_bpe_samples_end_at_end_of_text_and_are_separated(bpe_ckpt, capsys):
 def test_bpe_sample_ends_right_after_a_stop_string_inside_a_token(bpe_ckpt, capsys):
     """A stop string can end inside a BPE token (" caf", "ve"): the sample ends right after it all the same."""
     path, prompt = bpe_ckpt
-    enc = tiktoken.get_encoding("gpt2")
+    enc = named_encoding("gpt2")
     _, token_starts = enc.decode_with_offsets(enc.encode(TEXT))
     for stop in ("ca", "na\u00efv"):  # the second spans three tokens: " na", "\u00ef", "ve"
         end = TEXT.index(stop) + len(stop)

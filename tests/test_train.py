@@ -13,6 +13,8 @@ import math
 import os
 import re
 import resource
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +27,7 @@ import model as model_module
 import train
 from checkpoint import CheckpointError
 from conftest import DEVICE
+from data.shards import ShardLoader
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
 
@@ -127,8 +130,21 @@ def test_misspelled_setting_is_a_one_line_error_suggesting_the_right_one(error_r
     assert_one_line_error(error_runs["misspelled"], "learning_rate")
 
 
-def test_missing_dataset_gives_the_prepare_command(error_runs):
-    assert_one_line_error(error_runs["no_data"], "python data/nope/prepare.py")
+def test_missing_dataset_lists_the_datasets_and_commands_that_work(error_runs, workdir, tmp_path):
+    """--dataset=nope in workdir, which has data/shakespeare_char prepared: the message lists the repository's datasets
+    (data/<name>/prepare.py), names one prepared here to pass, and the prepare command of another, which works."""
+    line = assert_one_line_error(error_runs["no_data"], "dataset folder data/nope not found")
+    names = re.search(r"the datasets are ([\w, ]+) \(data/<name>/prepare.py\)", line).group(1).split(", ")
+    assert names == sorted(n for n in os.listdir(os.path.join(ROOT, "data"))
+                           if os.path.isfile(os.path.join(ROOT, "data", n, "prepare.py"))), line
+    assert "nope" not in names and "shakespeare_char" in names
+    passed = re.findall(r"pass --dataset=(\w+)", line)
+    assert passed[0] == "shakespeare_char" and glob.glob(os.path.join(workdir, "data", passed[0], "*_train_*.bin"))
+    command = shlex.split(re.search(r"prepare one, e\.g\. `([^`]+)`", line).group(1))
+    assert command[0] == "python" and os.path.isfile(command[1]) and passed[1] in names
+    subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    with in_dir(tmp_path):  # what it wrote is the dataset --dataset=<name> reads, from where train.py was run
+        ShardLoader(os.path.join("data", passed[1]), "train", batch_size=2, block_size=8)
 
 
 def test_resume_without_a_checkpoint_says_to_train_first(workdir, tmp_path):
@@ -205,6 +221,94 @@ def test_resumed_run_equals_uninterrupted_run(workdir, tmp_path, optimizer, dtyp
     assert got == expected  # exact: loss, lr, grad_norm, train_loss and val_loss of every record
     a, b = load_ckpt(whole), load_ckpt(split)
     assert a["loader"] == b["loader"] and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+RESUMED = re.compile(r"^resumed from iteration (\d+) of (\d+) \(best val loss ([\d.]+)(?:, saved at (.+))?\)$", re.M)
+CHANGED = re.compile(r"^settings changed since the checkpoint: (.*)$", re.M)
+OLD_CKPT = os.path.join(ROOT, "tests", "data", "ckpt_before_restructure")  # see test_checkpoint.py
+
+
+def changes(line):
+    """{setting: (before, now, used)} from the changed-settings line (used: False for the model's settings, which the
+    checkpoint's model config overrides), and the learning rate's jump (or None)."""
+    listed, _, jump = line.partition("; the learning rate at iteration ")
+    used, unused = re.fullmatch(r"(.*?)(?:(?:^|; )with no effect \(the model is the checkpoint's\): (.*))?",
+                                listed).groups()
+    unused = unused or ""
+    found = {}
+    for part, effect in ((used, True), (unused, False)):
+        for item in part.split(", ") if part else []:
+            key, was, now = re.fullmatch(r"(\w+) (\S+) -> (\S+)", item).groups()  # nothing else in the line
+            found[key] = (was, now, effect)
+    return found, jump or None
+
+
+@pytest.fixture(scope="module")
+def interrupted(workdir, tmp_path_factory):
+    """A run of 6 iterations (evaluated every 2) stopped at iteration 3 as a signal stops it: its out_dir, holding the
+    checkpoint of iteration 3, and the time before it started."""
+    out_dir, started = str(tmp_path_factory.mktemp("interrupted")), time.time()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train, "should_stop", lambda stop_signal, world_size, iter_num, *args: iter_num == 3)
+        train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2")
+    assert load_ckpt(out_dir)["iter_num"] == 3
+    return out_dir, started
+
+
+def resume_copy(workdir, interrupted, tmp_path, capsys, *args):
+    """Resume a copy of the interrupted run (in another out_dir, which is no change) with args; what it printed."""
+    out_dir = str(tmp_path / "resumed")
+    shutil.copytree(interrupted[0], out_dir)
+    capsys.readouterr()
+    train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2", *args, "--init_from=resume")
+    return out_dir, capsys.readouterr().out
+
+
+def test_a_plain_resume_says_where_it_resumed_and_lists_no_change(workdir, interrupted, tmp_path, capsys):
+    out_dir, output = resume_copy(workdir, interrupted, tmp_path, capsys)
+    assert len(RESUMED.findall(output)) == 1, output
+    it, max_iters, best, saved_at = RESUMED.search(output).groups()
+    ckpt = torch.load(os.path.join(interrupted[0], "ckpt.pt"), map_location="cpu", weights_only=True)
+    assert (int(it), int(max_iters), best) == (3, 6, f"{ckpt['best_val_loss']:.4f}")
+    saved = time.mktime(time.strptime(saved_at.rsplit(" ", 1)[0], "%Y-%m-%d %H:%M:%S"))
+    assert interrupted[1] - 1 <= saved <= time.time(), saved_at  # when the interrupted run saved it, local time
+    assert "settings changed" not in output, output  # init_from, out_dir differ: noise
+    assert load_ckpt(out_dir)["iter_num"] == 6  # and it went on to max_iters
+
+
+def test_a_resume_with_other_settings_lists_each_and_the_learning_rate_jump(workdir, interrupted, tmp_path, capsys):
+    out_dir, output = resume_copy(workdir, interrupted, tmp_path, capsys, "--learning_rate=1e-3", "--max_iters=8",
+                                  "--n_layer=2")
+    assert RESUMED.search(output).group(1, 2) == ("3", "8"), output
+    lines = CHANGED.findall(output)
+    assert len(lines) == 1, output
+    listed, jump = changes(lines[0])
+    assert listed == {"learning_rate": ("0.003", "0.001", True), "max_iters": ("6", "8", True),
+                      "n_layer": ("1", "2", False)}, lines[0]  # the model stays the checkpoint's: said so
+    lr_from, lr_to = re.fullmatch(r"3 goes from (\S+) to (\S+)", jump).groups()
+    before = dict(train.DEFAULTS, **load_ckpt(interrupted[0])["settings"])
+    assert float(lr_from) == pytest.approx(3e-3 * train.lr_multiplier(3, before), rel=1e-2)
+    first_step = next(r for r in records(out_dir) if r["iter"] == 4 and "lr" in r)  # the step from iteration 3
+    assert float(lr_to) == pytest.approx(first_step["lr"], rel=1e-2) and float(lr_from) != float(lr_to)
+    assert load_ckpt(out_dir)["model_config"]["n_layer"] == 1
+
+
+def test_a_checkpoint_from_before_the_restructure_resumes_with_the_line_without_a_time(workdir, tmp_path, capsys):
+    with open(os.path.join(OLD_CKPT, "expected.json")) as f:
+        old_settings = json.load(f)["settings"].split()
+    old = torch.load(os.path.join(OLD_CKPT, "ckpt.pt"), map_location="cpu", weights_only=True)
+    assert "saved_at" not in old and "loss_chunk" not in old["settings"]  # it predates both
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    shutil.copy(os.path.join(OLD_CKPT, "ckpt.pt"), out_dir / "ckpt.pt")
+    capsys.readouterr()
+    with in_dir(workdir):
+        train.main(old_settings + [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=6", "--eval_interval=4"])
+    output = capsys.readouterr().out
+    assert RESUMED.findall(output) == [("4", "6", f"{old['best_val_loss']:.4f}", "")], output
+    listed, jump = changes(CHANGED.search(output).group(1))
+    assert listed == {"max_iters": ("4", "6", True)} and jump  # settings it predates are their defaults: no change
+    assert load_ckpt(str(out_dir))["iter_num"] == 6 and "saved_at" in load_ckpt(str(out_dir))
 
 
 def logged_iterations(metrics):
