@@ -18,6 +18,7 @@ import time
 import torch
 
 LOOK_SECONDS = 0.25  # how long the machine is watched before a run starts (the counters tick 100 times a second)
+CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
 
@@ -62,6 +63,7 @@ class SharedCpu:
             torch.set_num_threads(requested)
         self.most = torch.get_num_threads()
         self.last = None if self.fixed or self.most <= 1 else self.counters()  # one thread: nothing to take away
+        self.span = LOOK_SECONDS
         if self.last is not None:
             time.sleep(LOOK_SECONDS)  # while this process sleeps, what the counters see is other processes' work
 
@@ -71,7 +73,9 @@ class SharedCpu:
         if self.last is None:
             return None
         now = self.counters()
-        busy, self.last = busy_cores(self.last, now, self.cores), now
+        if now is None or (now[0] - self.last[0]) / self.cores < 0.9 * self.span:
+            return None  # too short a span to read (logs a few ms apart): wait for a longer one
+        busy, self.last, self.span = busy_cores(self.last, now, self.cores), now, CHECK_SECONDS
         threads = threads_for(busy, self.most, self.cores)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)

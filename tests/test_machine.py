@@ -55,10 +55,12 @@ def counters_from(readings):
 
 
 def test_the_run_follows_the_load_and_says_so_once(two_threads):
-    # 2 cores: quiet at start, then another process takes a whole core, a second one joins, then both stop
-    cpu = SharedCpu(cores=2, counters=counters_from([(0, 0, 0), (2, 2, 0), (4, 3, 0), (6, 3, 0), (8, 5, 0),
-                                                     (10, 7, 0)]))
+    # 2 cores: quiet at start; a span too short to read (a few ticks, all busy: logs milliseconds apart); then
+    # another process takes a whole core, a second one joins, then both stop
+    cpu = SharedCpu(cores=2, counters=counters_from([(0, 0, 0), (2, 2, 0), (2.04, 2, 0), (4, 3, 0), (6, 3, 0),
+                                                     (8, 5, 0), (10, 7, 0)]))
     assert cpu.check() is None and torch.get_num_threads() == 2  # quiet
+    assert cpu.check() is None and torch.get_num_threads() == 2  # 0.02 s: not read
     note = cpu.check()  # others: 1 of the 2 seconds of CPU
     assert torch.get_num_threads() == 1 and "keep 1.0 of its 2 cores busy" in note and "takes 1 thread" in note
     assert cpu.check() is None and torch.get_num_threads() == 1  # busier still: said already
