@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import sdpa  # which of SDPA's kernels take grouped-query attention on which card
+
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 
 
@@ -106,24 +108,6 @@ def can_attend(query_pos, key_pos, config):
     return visible
 
 
-def sdpa_fuses_gqa(device_type, capability, dtype, masked, head_dim):
-    """Whether F.scaled_dot_product_attention(..., enable_gqa=True) runs a fused kernel, one that never holds the
-    (B, nh, T, S) scores, given the device type, an NVIDIA card's compute capability (major, minor) (None for other
-    cards), the dtype the kernel sees, whether an attn_mask is passed, and head_dim. Where it does not, SDPA falls
-    back to its math kernel, which repeats k and v itself and holds every score: config/gpt2_124m.py's batch of 64 x
-    12 heads x 1024 x 1024 is 805M scores a layer, 1.6 GB at 2 bytes. Then the caller repeats k and v, for a fused
-    kernel to take."""
-    if device_type != "cuda":
-        return True  # the CPU's flash kernel takes enable_gqa with or without a mask, in every float dtype
-    # torch 2.13's choice on CUDA (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, select_sdp_backend): flash,
-    # then memory-efficient, then math (cuDNN, which also takes GQA, goes first only on sm90/sm100 with a recent
-    # cuDNN). The memory-efficient kernel refuses fewer kv heads than query heads (torch 2.14 adds GQA to it), so
-    # only flash takes enable_gqa: no attn_mask, fp16 or bf16, sm80 to sm121, head_dim <= 256. Training on
-    # sm86/89/120 refuses head_dim 193..224, and 225..256 with dropout: above 192, k and v are repeated on every card.
-    return (capability is not None and (8, 0) <= capability <= (12, 1) and dtype in (torch.float16, torch.bfloat16)
-            and not masked and head_dim <= 192)
-
-
 def attention(q, k, v, positions, config, dropout_p=0.0):
     """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions (T,), k and v
     (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
@@ -136,17 +120,10 @@ def attention(q, k, v, positions, config, dropout_p=0.0):
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
         return y.view(B, n_head, 1, head_dim)  # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not
     gqa = n_head != n_kv_head
-    if gqa:  # does a fused kernel take enable_gqa here? If not, repeat k and v to n_head heads (sdpa_fuses_gqa)
-        capability, dtype = None, q.dtype
-        if q.is_cuda:  # the card's numbers, read only on CUDA: cached by torch, constants to torch.compile
-            props = torch.cuda.get_device_properties(q.device)
-            capability = None if torch.version.hip else (props.major, props.minor)  # ROCm: other numbers, other rules
-            # under autocast q can be fp32 (qk_norm's RMSNorm runs in fp32) and SDPA casts it to autocast's dtype
-            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
-        if not sdpa_fuses_gqa(q.device.type, capability, dtype, mask is not None, head_dim):
-            group = n_head // n_kv_head
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd): head h
-            gqa = False  # reads kv head h // group, as enable_gqa does
+    if gqa and not sdpa.takes_gqa(q, masked=mask is not None):  # else SDPA's math kernel would hold every score
+        group = n_head // n_kv_head
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd): head h reads
+        gqa = False  # kv head h // group, as enable_gqa does
     if causal:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)

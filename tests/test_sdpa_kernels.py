@@ -2,7 +2,7 @@
 
 F.scaled_dot_product_attention(..., enable_gqa=True) with fewer kv heads than query heads runs fused only where a
 fused kernel accepts GQA; elsewhere torch runs its math kernel, which holds all (B, nh, T, S) scores. model.attention
-asks model.sdpa_fuses_gqa and, where it says no, repeats k and v to n_head heads so that a fused kernel takes the call.
+asks sdpa.sdpa_fuses_gqa and, where it says no, repeats k and v to n_head heads so that a fused kernel takes the call.
 
 The tables below are torch 2.13's kernel choice, read from aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
 (select_sdp_backend, can_use_flash_attention, can_use_mem_efficient_attention, can_use_cudnn_attention) and
@@ -16,8 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as model_py  # the module: tests swap its sdpa_fuses_gqa and attention
-from model import GPT, GPTConfig, attention, sdpa_fuses_gqa
+import model as model_py  # the module: tests swap its attention
+import sdpa  # the module: tests swap its sdpa_fuses_gqa
+from model import GPT, GPTConfig, attention
+from sdpa import sdpa_fuses_gqa
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -117,7 +119,7 @@ def test_repeated_kv_equals_enable_gqa_with_gradients(case, n_kv_head, monkeypat
 
     expected = output_and_grads()
     calls = recording_sdpa(monkeypatch)
-    monkeypatch.setattr(model_py, "sdpa_fuses_gqa", lambda *args: False)  # as on a card with no fused GQA kernel
+    monkeypatch.setattr(sdpa, "sdpa_fuses_gqa", lambda *args: False)  # as on a card with no fused GQA kernel
     actual = output_and_grads()
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
@@ -140,7 +142,7 @@ def test_model_loss_and_gradients_equal_with_repeated_kv(monkeypatch):
         return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
 
     expected = loss_and_grads()
-    monkeypatch.setattr(model_py, "sdpa_fuses_gqa", lambda *args: False)
+    monkeypatch.setattr(sdpa, "sdpa_fuses_gqa", lambda *args: False)
     for a, e in zip(loss_and_grads(), expected):
         torch.testing.assert_close(a, e, atol=1e-6, rtol=1e-5)
 
@@ -201,7 +203,7 @@ def test_cpu_calls_are_unchanged(window, monkeypatch):
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
-    monkeypatch.setattr(model_py, "sdpa_fuses_gqa", lambda *args: fused)
+    monkeypatch.setattr(sdpa, "sdpa_fuses_gqa", lambda *args: fused)
     config = tiny_config()
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 6, 8, generator=generator)
