@@ -43,11 +43,11 @@ def resolve_device(device):
         if not torch.cuda.is_available():
             raise CheckpointError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
                                   "use --device=cpu (or auto)")
-        index = torch.device(device).index
-        if index is not None and index >= torch.cuda.device_count():
-            raise CheckpointError(f"--device={device}, but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-                                  f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        index, count = torch.device(device).index, torch.cuda.device_count()
         if index is not None:
+            if index >= count:
+                raise CheckpointError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
+                                      f"cuda:{count - 1}")
             torch.cuda.set_device(index)
     return device
 
@@ -98,6 +98,11 @@ def train_command(path, config="config/small.py", extra=""):
     return command
 
 
+def checkpoint_path(source):
+    """The ckpt.pt of an out_dir, or source itself when it names a .pt file."""
+    return source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
+
+
 def load_checkpoint(path, data=None):
     """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code.
     data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
@@ -134,7 +139,7 @@ def load_run(source, device="cpu", dtype=torch.float32):
         if meta is None:
             raise CheckpointError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
     else:
-        path = source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
+        path = checkpoint_path(source)
         checkpoint = load_checkpoint(path)
         (model, meta), dataset = model_from_checkpoint(checkpoint, path), checkpoint.get("settings", {}).get("dataset")
     return model.to(device=device, dtype=dtype).eval(), meta, dataset

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from checkpoint import CheckpointError, load_model, load_run, resolve_device, resolve_dtype, train_command
+from checkpoint import CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype, train_command
 from configurator import ConfigError, configure
 from engine import Samples, decode_batch, decode_speculative
 from model import check_sampling
@@ -95,7 +95,7 @@ def check_settings(settings):
 def check_draft_exists(draft, dataset):
     """A draft out_dir (or .pt) without a checkpoint: the command that trains one on the model's dataset (known when
     the model is a train.py checkpoint) into it."""
-    path = draft if draft.endswith(".pt") else os.path.join(draft, "ckpt.pt")
+    path = checkpoint_path(draft)
     if draft.startswith("hf:") or os.path.exists(path):
         return
     extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
