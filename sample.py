@@ -8,7 +8,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
                                                               # (python train.py config/small_draft.py trains it)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (pays off on long runs)
-    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (docs/sampling.md: modes)
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (docs/sampling.md)
     python sample.py --prompt "ROMEO:" --dtype=bfloat16       # half the bytes of float32
 
 This is the command line; the decoding itself is engine.py's. The prompt goes through the model once and
@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from checkpoint import CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype, train_command
+from checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
+                        train_command)
 from configurator import ConfigError, configure
 from engine import Samples, decode_batch, decode_speculative
 from model import check_sampling

@@ -686,7 +686,8 @@ def train(settings, run_dir):
         # One optimizer step: micro_steps forward/backward passes, gradients all-reduced on the last only.
         # The random state is a function of (seed, rank, iteration), so a resumed run draws the same dropout.
         torch.manual_seed(settings["seed"] + 1_000_003 * rank + iter_num)
-        graphs_before_step = compiled_graphs()
+        if first_step_s is None:  # the graphs compiled before it: the first step's are counted after it
+            graphs_before_step = compiled_graphs()
         for micro_step in range(micro_steps):
             x, y = loader.next_batch()
             last = micro_step == micro_steps - 1
