@@ -118,11 +118,43 @@ def load_checkpoint(path, data=None):
 def model_from_checkpoint(checkpoint, path):
     """The GPT of a checkpoint dict (on the CPU, fp32), and its tokenizer meta."""
     try:
-        model = GPT(GPTConfig(**checkpoint["model_config"]))
-        model.load_state_dict(checkpoint["model"])
-        return model, checkpoint["meta"]
+        model, state, meta = GPT(GPTConfig(**checkpoint["model_config"])), checkpoint["model"], checkpoint["meta"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {first_line(e)})") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{path} is not a checkpoint written by train.py (its model is not a dict of tensors)")
+    load_weights(model, state, path)
+    return model, meta
+
+
+def load_weights(model, state, path):
+    """model.load_state_dict(state) for the checkpoint at path, where tensors that do not fit are a CheckpointError
+    naming them: the file is fine, model.py was changed since it was written (torch's error lists them over many
+    lines, and its first line names none)."""
+    mismatch = tensor_mismatch(model.state_dict(), state)
+    if mismatch:
+        raise CheckpointError(f"{path} does not fit this model.py: {mismatch}; it was written by a model of another "
+                              "shape: retrain with this model.py, or undo the edit to load it")
+    model.load_state_dict(state)
+
+
+def tensor_mismatch(expected, state):
+    """What keeps the tensors state from loading where the tensors expected go, in one line ("" if nothing): the
+    names missing, unexpected, and of another shape, in the model's order, at most 5 of each."""
+    def listed(what, names):
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        return f"{what} {', '.join(names[:5])}{more}" if names else ""
+
+    missing = [name for name in expected if name not in state]
+    unexpected = [name for name in state if name not in expected]
+    reshaped = [f"{name} {size(state[name])} (model: {size(expected[name])})"
+                for name in expected if name in state and state[name].shape != expected[name].shape]
+    return "; ".join(filter(None, [listed("missing", missing), listed("unexpected", unexpected),
+                                   listed("other shape:", reshaped)]))
+
+
+def size(tensor):
+    return "x".join(map(str, tensor.shape)) or "scalar"
 
 
 def load_model(source, device="cpu", dtype=torch.float32):
@@ -211,17 +243,12 @@ def load_hf(folder):
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {weights} ({e}); it is truncated or corrupt") from None
     state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
-    if config.tie_embeddings:
-        state.setdefault("lm_head.weight", state.get("embed_tokens.weight"))
+    if config.tie_embeddings and "embed_tokens.weight" in state:  # else named missing below
+        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
     model = GPT(config)
-    expected = model.state_dict()
-    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    wrong = [n for n, t in state.items() if t.shape != expected[n].shape]
-    if wrong:
-        raise CheckpointError(f"{weights}: {wrong[0]} has shape {tuple(state[wrong[0]].shape)}, the config implies "
-                              f"{tuple(expected[wrong[0]].shape)}")
+    mismatch = tensor_mismatch(model.state_dict(), state)
+    if mismatch:  # weights and config.json disagree, or model.py was changed: the names say which
+        raise CheckpointError(f"{weights} does not fit the model this model.py builds from its config.json: {mismatch}")
     model.load_state_dict(state)
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -1,6 +1,7 @@
 """Tests for checkpoint.py: a checkpoint written by train.py before the code was restructured (commit 72fa8ac,
 kept in tests/data/ckpt_before_restructure with what that code computed from it) still loads, gives the same
-logits, and resumes training exactly where that code would have gone; device and dtype settings resolve."""
+logits, and resumes training exactly where that code would have gone; a checkpoint that an edited model.py no
+longer fits names the tensors; device and dtype settings resolve."""
 
 import json
 import os
@@ -9,10 +10,13 @@ import runpy
 import shlex
 import shutil
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
+import torch.nn as nn
 
+import checkpoint
 import train
 from checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
 from configurator import configure
@@ -100,6 +104,69 @@ def test_the_named_train_command_trains_what_sample_py_then_loads(workdir, monke
     capsys.readouterr()
     sample.main([f"--out_dir={out_dir}", "--prompt=ROMEO:", "--max_new_tokens=5", "--device=cpu"])
     assert capsys.readouterr().out.startswith("ROMEO:")
+
+
+# A checkpoint that does not fit an edited model.py: the file is fine, the names say what changed
+
+
+class AddedTable(checkpoint.GPT):  # an edit adding a tensor, as learned positions do (under a name no edit uses)
+    def __init__(self, config):
+        super().__init__(config)
+        self.added_table = nn.Embedding(config.block_size, config.n_embd)
+
+
+class WiderMLPs(checkpoint.GPT):  # every layer's MLP another width: tensors of the same names in other shapes
+    def __init__(self, config):
+        super().__init__(config)
+        for block in self.layers:
+            block.mlp.gate_proj = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
+            block.mlp.up_proj = nn.Linear(config.n_embd, 2 * config.mlp_width, bias=False)
+
+
+def save_tiny_checkpoint(path, model_class=checkpoint.GPT, n_layer=1):
+    """What train.py's checkpoint holds that loading reads, of a tiny model_class."""
+    model = model_class(checkpoint.GPTConfig(vocab_size=65, block_size=16, n_layer=n_layer, n_head=2, n_kv_head=1,
+                                             n_embd=16))
+    chars = ["\n"] + [chr(32 + i) for i in range(64)]
+    meta = {"tokenizer": "char", "vocab_size": 65, "eot_token": None, "chars": chars}
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}, path)
+    return str(path)
+
+
+def assert_does_not_fit(message, path, names):
+    """One line naming path and the tensors, saying what to do, and not calling the file foreign."""
+    assert "\n" not in message and f"{path} does not fit this model.py: {names}" in message, message
+    assert "retrain" in message and "not a checkpoint written by train.py" not in message, message
+
+
+@pytest.mark.parametrize("written_by,loaded_by,names", [
+    (checkpoint.GPT, AddedTable, "missing added_table.weight;"),
+    (AddedTable, checkpoint.GPT, "unexpected added_table.weight;"),
+], ids=["edited_since", "edit_undone"])
+def test_a_checkpoint_of_another_model_py_names_the_tensors(monkeypatch, tmp_path, written_by, loaded_by, names):
+    """Through sample.py, which exits with the message: a model.py edited after training, or an edit undone."""
+    path = save_tiny_checkpoint(tmp_path / "ckpt.pt", written_by)
+    monkeypatch.setattr(checkpoint, "GPT", loaded_by)
+    assert_does_not_fit(script_error(monkeypatch, "sample.py", f"--out_dir={path}", "--device=cpu"), path, names)
+
+
+def test_tensors_of_another_shape_are_named_five_at_most(monkeypatch, tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "ckpt.pt", n_layer=4)  # 8 tensors of another shape
+    monkeypatch.setattr(checkpoint, "GPT", WiderMLPs)
+    with pytest.raises(CheckpointError) as error:
+        load_model(path)
+    names = "other shape: layers.0.mlp.gate_proj.weight 64x16 (model: 128x16), layers.0.mlp.up_proj.weight"
+    assert_does_not_fit(str(error.value), path, names)
+    assert "layers.2.mlp.gate_proj.weight" in str(error.value) and str(error.value).count("x16 (model:") == 5
+    assert "and 3 more;" in str(error.value)
+
+
+def test_a_file_that_is_not_a_checkpoint_is_called_so(tmp_path):
+    """A bare state dict (torch.save(model.state_dict())) loads as a file but is no train.py checkpoint."""
+    torch.save(checkpoint.GPT(checkpoint.GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_kv_head=1,
+                                                   n_embd=16)).state_dict(), tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="is not a checkpoint written by train.py"):
+        load_model(str(tmp_path / "ckpt.pt"))
 
 
 # resolve_device and resolve_dtype on the CPU (on faked GPUs: test_fake_cuda.py)

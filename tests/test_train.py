@@ -690,14 +690,21 @@ def test_make_optimizers_adamw_decays_matrices_only():
 
 
 def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
+    """The rule, on whatever parameters model.py has (an edit adding one, like learned positions, still passes):
+    each parameter in exactly one group; Muon the matrices inside the blocks, AdamW the other matrices with decay
+    and the norms and biases without."""
     model, settings, names, no_decay = optimizer_setup("muon")
     adamw, muon = train.make_optimizers(model, settings, "cpu")
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
-    block_matrices = {n for n in names.values() if n.startswith("layers.") and n not in no_decay}
-    assert len(block_matrices) == 2 * 7  # q, k, v, o, gate, up, down per layer
-    assert set().union(*(group_names(g, names) for g in muon.param_groups)) == block_matrices
+    groups = [*adamw.param_groups, *muon.param_groups]
+    assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(names.values())  # each exactly once
+    in_blocks = {names[id(p)] for p in model.layers.parameters()}
+    matrices = set(names.values()) - no_decay
+    assert set().union(*(group_names(g, names) for g in muon.param_groups)) == matrices & in_blocks
     adamw_groups = {g["weight_decay"]: group_names(g, names) for g in adamw.param_groups}
-    assert adamw_groups == {0.1: {"embed_tokens.weight", "lm_head.weight"}, 0.0: no_decay}
+    assert adamw_groups == {0.1: matrices - in_blocks, 0.0: no_decay}
+    assert {"layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= matrices & in_blocks
+    assert {"embed_tokens.weight", "lm_head.weight"} <= adamw_groups[0.1]
     with pytest.raises(train.TrainError, match="optimizer"):
         train.make_optimizers(model, dict(settings, optimizer="sgd"), "cpu")
 
