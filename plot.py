@@ -63,7 +63,12 @@ def draw(runs, logy=False):
                     label=f"{label} train")
             ax.plot([r[x] for r in val], [r["val_loss"] for r in val], color=color, lw=1.5, marker="o", ms=4,
                     label=f"{label} val")
-    for ax, xlabel in zip(axes, ("iteration", "wall-clock seconds")):
+    return finish(fig, axes, ("iteration", "wall-clock seconds"), logy)
+
+
+def finish(fig, axes, xlabels, logy):
+    """Axis labels, the log scale if asked, a grid and the legend."""
+    for ax, xlabel in zip(axes, xlabels):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("loss")
         if logy:
@@ -74,6 +79,33 @@ def draw(runs, logy=False):
     axes[0].legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def draw_groups(groups, logy=False):
+    """The figure for groups of runs, {label: [(train, val), ...]} with one pair per seed (compare.py): each
+    group's mean over its seeds, the training loss thin, the val loss with markers, and a band from its lowest
+    to its highest seed's val loss. Points are the iterations every seed logged; seconds are their mean."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for i, (label, runs) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        for key, records, style in (("loss", [t for t, _ in runs], dict(lw=0.8, alpha=0.6)),
+                                    ("val_loss", [v for _, v in runs], dict(lw=1.5, marker="o", ms=4))):
+            iters, times, losses = across_seeds(records, key)
+            name = f"{label} {'val' if key == 'val_loss' else 'train'} (mean of {len(runs)})"
+            for ax, x in zip(axes, (iters, times)):
+                ax.plot(x, [sum(l) / len(l) for l in losses], color=color, label=name, **style)
+                if key == "val_loss" and len(runs) > 1:
+                    ax.fill_between(x, [min(l) for l in losses], [max(l) for l in losses], color=color, alpha=0.2)
+    return finish(fig, axes, ("iteration", "wall-clock seconds (mean over seeds)"), logy)
+
+
+def across_seeds(runs, key):
+    """(iterations, mean seconds, losses per iteration): the records of several runs at the iterations they
+    all logged, for a mean and a spread."""
+    by_iter = [{r["iter"]: r for r in records} for records in runs]
+    shared = sorted(set.intersection(*(set(b) for b in by_iter)))
+    times = [sum(b[it]["time"] for b in by_iter) / len(by_iter) for it in shared]
+    return shared, times, [[b[it][key] for b in by_iter] for it in shared]
 
 
 def save(fig, path):

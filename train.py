@@ -25,7 +25,8 @@ from dataclasses import asdict, fields, replace
 import torch
 import torch.distributed as dist
 
-from checkpoint import CheckpointError, load_checkpoint, load_hf, resolve_device, resolve_dtype, save_checkpoint
+from checkpoint import (CheckpointError, load_checkpoint, load_hf, load_weights, resolve_device, resolve_dtype,
+                        save_checkpoint)
 from configurator import ConfigError, configure
 from data.shards import DataError, ShardLoader, check_vocab, load_meta
 from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
@@ -72,6 +73,8 @@ DEFAULTS = dict(
     # learning rate schedule: linear warmup, then cosine decay or warmup-stable-decay (wsd)
     lr_schedule="cosine",  # "cosine" or "wsd"
     max_iters=5000,
+    max_seconds=0.0,  # > 0: also stop after this many seconds (evaluation included, summed over resumes), the
+    # learning rate decaying on that clock: a budget of wall time, e.g. for compare.py --seconds (one process)
     warmup_iters=100,
     lr_decay_iters=0,  # 0: max_iters
     min_lr=1e-4,
@@ -205,6 +208,28 @@ def micro_steps_per_process(settings, world_size):
                      f"{what_to_pass}{elsewhere}")
 
 
+def build_model(config, seed, pretrained, checkpoint, ckpt_path):
+    """The model on the CPU: initialized from seed (the same on every process), then given the weights of a
+    pretrained model or of the checkpoint to resume, if any (one that model.py was edited since names the
+    tensors that do not fit)."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    if pretrained is not None:
+        model.load_state_dict(pretrained.state_dict())
+    if checkpoint is not None:
+        load_weights(model, checkpoint["model"], ckpt_path)
+    return model
+
+
+def grad_scaler(device_type, ptdtype, checkpoint):
+    """fp16 needs loss scaling (other dtypes get a scaler that does nothing). A resumed run continues at the
+    scale its skipped steps lowered, not at a fresh 65536; {} is a checkpoint from a run without one."""
+    scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)
+    if checkpoint is not None and checkpoint.get("scaler"):
+        scaler.load_state_dict(checkpoint["scaler"])
+    return scaler
+
+
 def compile_backend(settings, device_type):
     """torch.compile's backend for the training step, or None for eager: compiled on CUDA only, where it pays
     within a run (on a CPU inductor's compilation takes minutes)."""
@@ -310,13 +335,34 @@ def show(value):
     return repr(value) if value == "" else str(value)
 
 
-def lr_multiplier(it, settings):
+def optimizer_step(model, optimizers, scaler, grad_clip, lr_scale):
+    """Clip the gradients (0: no clipping), step every optimizer at lr_scale times its base learning rate and
+    clear the gradients; the gradients' norm before clipping."""
+    for optimizer in optimizers:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm of all shards together, as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = group["base_lr"] * lr_scale
+        scaler.step(optimizer)
+    scaler.update()
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return grad_norm
+
+
+def lr_multiplier(it, settings, time_spent=None):
     """The learning rate at iteration it, as a fraction of learning_rate: linear warmup, then cosine or
-    warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after."""
+    warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after. Under max_seconds, time_spent (the
+    fraction of it used) stands in for the iterations after warmup: the decay ends when the time does."""
     warmup, decay_iters = settings["warmup_iters"], settings["lr_decay_iters"] or settings["max_iters"]
     min_ratio = settings["min_lr"] / settings["learning_rate"]
     if it < warmup:
         return (it + 1) / warmup
+    if time_spent is not None:
+        it = warmup + min(1.0, time_spent) * (decay_iters - warmup)
     if it >= decay_iters:
         return min_ratio
     if settings["lr_schedule"] == "wsd":
@@ -565,6 +611,8 @@ def train(settings, run_dir):
     if busy_note and master:
         print(busy_note)
     micro_steps = micro_steps_per_process(settings, world_size)
+    if settings["max_seconds"] and world_size > 1:  # each process's clock would set its own learning rate
+        raise TrainError("max_seconds works on one process only; under torchrun give the budget as max_iters")
     if settings["fsdp"]:
         check_fsdp(settings, "RANK" in os.environ, ptdtype)  # under torchrun; one process there works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (parallel.shard)
@@ -581,14 +629,9 @@ def train(settings, run_dir):
     if settings["block_size"] > config.block_size:
         raise TrainError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
 
-    torch.manual_seed(settings["seed"])  # the same init on every process
-    model = GPT(config)
-    if pretrained is not None:
-        model.load_state_dict(pretrained.state_dict())
     if checkpoint is not None:
         check_resume(checkpoint, settings)
-        model.load_state_dict(checkpoint["model"])
-    raw_model = model.to(device)  # the module itself: its parameters, state dict and parts
+    raw_model = build_model(config, settings["seed"], pretrained, checkpoint, ckpt_path).to(device)  # its parameters and parts
     model = prepare_model(raw_model, settings, device, ptdtype, backend)  # what the training step calls
     optimizers = make_optimizers(raw_model, settings, device_type)  # after sharding: FSDP's parameters are new
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
@@ -601,36 +644,17 @@ def train(settings, run_dir):
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["base_lr"] = settings["learning_rate"]
-    scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
-    if checkpoint is not None and checkpoint.get("scaler"):  # {} from a run without it (or before it was saved)
-        scaler.load_state_dict(checkpoint["scaler"])  # the scale its skipped steps lowered, not a fresh 65536
+    scaler = grad_scaler(device_type, ptdtype, checkpoint)
 
     if master:
         run_dir.start(settings, checkpoint)
-    stop_signal = []  # set by SIGINT/SIGTERM; the loop saves a checkpoint and stops at the next iteration
-
-    def request_stop(signum, frame):
-        stop_signal.append(signum)
-        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, request_stop)
-    peak = settings["peak_flops"] or None
-    if peak is None and device_type == "cuda":
-        gpu = torch.cuda.get_device_name()
-        peak = peak_flops(gpu, ptdtype)
-        if peak is None and master:
-            print(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in train.PEAK_FLOPS; pass "
-                  "--peak_flops=<its dense FLOP/s> to see MFU")
+    stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
+    peak = settings["peak_flops"] or (device_peak_flops(ptdtype, master) if device_type == "cuda" else None)
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
     if master:
         print(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
               f"{world_size} process(es) on {device}, {ptdtype}")
-    progress_bar = None
-    if master and sys.stdout.isatty():
-        from tqdm import tqdm
-
-        progress_bar = tqdm(total=settings["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True)
+    progress_bar = progress_bar_from(iter_num, settings["max_iters"]) if master and sys.stdout.isatty() else None
 
     run_start, elapsed_before = time.perf_counter(), elapsed  # elapsed: wall-clock seconds over all resumes
 
@@ -654,14 +678,14 @@ def train(settings, run_dir):
         elapsed = elapsed_before + time.perf_counter() - run_start
         # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
         signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num, settings, device)
-        stopping = signalled or iter_num >= settings["max_iters"]
+        out_of_time = 0 < settings["max_seconds"] <= elapsed
+        stopping = signalled or out_of_time or iter_num >= settings["max_iters"]
         evaluated_before_checkpoint = checkpoint is not None and iter_num == checkpoint["iter_num"]
         if (iter_num % settings["eval_interval"] == 0 or stopping and not signalled) and not evaluated_before_checkpoint:
             eval_start = synced_time(device_type)
             losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
             check_finite(losses["val"], iter_num, ckpt_path)
-            with autocast, whole_root(raw_model):
-                task_scores = tasks(raw_model) if tasks else {}  # every rank: see task_runner
+            task_scores = run_tasks(tasks, raw_model, autocast)
             if master:
                 say(f"iter {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}" +
                     "".join(f", {name} {value:.4f}" for name, value in task_scores.items()))
@@ -696,19 +720,9 @@ def train(settings, run_dir):
                     loss = model(x, y, loss_chunk=settings["loss_chunk"])[1]  # logits not kept through the backward
                 scaler.scale(loss / micro_steps).backward()
             train_loss += loss.detach().float() / micro_steps
-        for optimizer in optimizers:
-            scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), settings["grad_clip"] or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm of all shards together, as a DTensor
-            grad_norm = grad_norm.full_tensor()
-        lr_scale = lr_multiplier(iter_num, settings)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["base_lr"] * lr_scale
-            scaler.step(optimizer)
-        scaler.update()
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
+        time_spent = elapsed / settings["max_seconds"] if settings["max_seconds"] else None
+        lr_scale = lr_multiplier(iter_num, settings, time_spent)
+        grad_norm = optimizer_step(raw_model, optimizers, scaler, settings["grad_clip"], lr_scale)
         iter_num += 1
         steps_since_log += 1
         if first_step_s is None:
@@ -716,12 +730,8 @@ def train(settings, run_dir):
             time_at_log += first_step_s
             if backend:
                 step_graphs = compiled_graphs() - graphs_before_step
-            if master and backend and step_graphs:
-                say(f"first step: {first_step_s:.1f} s, torch.compile included ({step_graphs} graphs); ms/iter "
-                    "leaves it out")
-            elif master and backend:
-                say(f"first step: {first_step_s:.1f} s; torch.compile was on but compiled no graph for the training "
-                    "step: it runs eagerly")
+            if master and backend:
+                say(first_step_line(first_step_s, step_graphs))
         else:
             timed_steps += 1
         if progress_bar:
@@ -742,8 +752,7 @@ def train(settings, run_dir):
                 if backend:
                     record["compiled_graphs"] = step_graphs
             if timed_steps:  # none when this interval held only the first step
-                record["ms_per_iter"] = 1000 * (now - time_at_log) / timed_steps
-                record["tokens_per_sec"] = tokens_per_iter * 1000 / record["ms_per_iter"]
+                record.update(speed(now - time_at_log, timed_steps, tokens_per_iter))
                 if peak:
                     record["mfu"] = mfu(raw_model, record["tokens_per_sec"], peak * world_size, settings["block_size"])
             if device_type == "cuda":
@@ -767,11 +776,60 @@ def train(settings, run_dir):
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
 
 
+def catch_stop_signals():
+    """A list that SIGINT and SIGTERM append to from now on, instead of ending the process."""
+    stop_signal = []
+
+    def request_stop(signum, frame):
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
+    return stop_signal
+
+
+def device_peak_flops(ptdtype, master):
+    """This GPU's peak FLOP/s in ptdtype for MFU, or None (said once) if train.PEAK_FLOPS does not know it."""
+    gpu = torch.cuda.get_device_name()
+    peak = peak_flops(gpu, ptdtype)
+    if peak is None and master:
+        print(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in train.PEAK_FLOPS; pass "
+              "--peak_flops=<its dense FLOP/s> to see MFU")
+    return peak
+
+
 def synced_time(device_type):
     """time.perf_counter() once the GPU has done the work queued so far (the CPU runs ahead of it)."""
     if device_type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+def progress_bar_from(iter_num, max_iters):
+    from tqdm import tqdm
+
+    return tqdm(total=max_iters, initial=iter_num, unit="it", dynamic_ncols=True)
+
+
+def run_tasks(tasks, raw_model, autocast):
+    """The lm-eval scores of this evaluation ({} if none asked); every rank runs them (see task_runner)."""
+    with autocast, whole_root(raw_model):
+        return tasks(raw_model) if tasks else {}
+
+
+def speed(seconds, steps, tokens_per_iter):
+    """The log record's speed figures for steps taken in seconds."""
+    ms_per_iter = 1000 * seconds / steps
+    return dict(ms_per_iter=ms_per_iter, tokens_per_sec=tokens_per_iter * 1000 / ms_per_iter)
+
+
+def first_step_line(seconds, graphs):
+    """What the first step of a compiled run says: how long it took, and whether compiling made any graph."""
+    if graphs:
+        return f"first step: {seconds:.1f} s, torch.compile included ({graphs} graphs); ms/iter leaves it out"
+    return (f"first step: {seconds:.1f} s; torch.compile was on but compiled no graph for the training step: it "
+            "runs eagerly")
 
 
 def log_line(record):
