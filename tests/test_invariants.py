@@ -8,13 +8,17 @@ For each config, with random weights (sharp, context-dependent distributions) in
 - the full-sequence forward (SDPA's is_causal fast path when window == 0) equals the mask rule's logits;
 - changing one token changes exactly the logits in its receptive field (causal, and n_layer * (window - 1)
   positions on with a sliding window);
+- each query sees exactly the keys its settings promise (VISIBLE_KEYS, written apart from model.py): the mask
+  can_attend gives each path, and in a one-layer model, which tokens move which logits through every path;
 - export either refuses a model (leaving nothing behind) or writes one that loads back bit for bit, same config.
 
 Every attention path asks model.can_attend which keys a query sees, so the last tests plant bugs in it (off by
-one for single-token decoding only, and others) and check that these invariants catch each of them.
+one for single-token decoding only, a forgotten setting, and others) and check that these invariants catch each
+of them; if model.py fails an invariant with nothing planted, they say so instead.
 
 Adding a model setting (a GPTConfig field, or a new value such as another MLP kind): add one entry to CONFIGS
-that turns it on. test_configs_cover_every_setting fails until some entry does.
+that turns it on, and the field to VISIBLE_KEYS (with its promise) or SAME_KEYS. test_configs_cover_every_setting
+and test_every_setting_says_whether_it_changes_the_visible_keys fail until you do.
 """
 
 import copy
@@ -49,6 +53,18 @@ CONFIGS = {  # name -> GPTConfig keyword arguments over BASE; each entry turns o
     "dropout_in_eval": dict(dropout=0.1, tie_embeddings=False),  # a training switch: eval mode ignores it
 }
 NAMES = list(CONFIGS)
+
+# Which keys a query sees, written down apart from model.py's can_attend: a rule can agree with itself on every
+# attention path and still not do what its setting promises (an "attention sinks" rule that does nothing). Each
+# setting that changes the visible keys maps to its promise, a function of plain ints (query, key, the setting's
+# value, whether the key is visible so far) applied in this order to the causal set, key <= query.
+VISIBLE_KEYS = {
+    "window": lambda query, key, window, visible: visible and (window == 0 or key > query - window),
+    # Attention sinks, were GPTConfig to gain `sinks` (the first `sinks` tokens stay visible past the window):
+    # "sinks": lambda query, key, sinks, visible: visible or key < min(sinks, query + 1),
+}
+SAME_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "dropout", "bias",
+             "mlp", "mlp_hidden", "qk_norm", "rope_base", "norm_eps", "tie_embeddings")  # change no query's keys
 TOL = 1e-5  # float32 logits of two ways to compute the same thing (relative to the largest logit)
 BROKEN = 1e-3  # a planted bug moves logits by far more than this
 
@@ -180,6 +196,84 @@ def receptive_field(model, changed_at=10, seed=3):
     return (outside.max().item() if outside.numel() else 0.0), moved[last].item()
 
 
+def promised(config, query, key):
+    """Whether the query at position query sees the key at position key, from VISIBLE_KEYS alone (plain ints)."""
+    visible = key <= query
+    for setting, promise in VISIBLE_KEYS.items():
+        visible = promise(query, key, getattr(config, setting), visible)
+    return visible
+
+
+def promised_mask(config, queries, n_keys):
+    """(len(queries), n_keys) bool: the promised keys among 0 .. n_keys-1 of the queries at those positions."""
+    return torch.tensor([[promised(config, q, k) for k in range(n_keys)] for q in queries])
+
+
+def mask_vs_promise(config, seed=0):
+    """can_attend's mask vs the promise, for what each attention path asks it: one query at every position over
+    a whole static cache (later slots too), and chunks over a growing cache (keys up to the chunk's end) and over
+    a static one. Returns the first disagreement, in words, or None."""
+    n = config.block_size
+    asks, start = [(torch.tensor([q]), n) for q in range(n)], 0
+    for size in chunk_sizes(n, seed):
+        positions = torch.arange(start, start + size)
+        asks += [(positions, start + size), (positions, n)]
+        start += size
+    for positions, n_keys in asks:
+        mask = model_py.can_attend(positions[:, None], torch.arange(n_keys), config).expand(len(positions), n_keys)
+        expected = promised_mask(config, positions.tolist(), n_keys)
+        if not torch.equal(mask, expected):
+            row = int((mask != expected).any(dim=1).nonzero()[0])
+            return (f"asked for {len(positions)} queries over {n_keys} keys, the query at {int(positions[row])} sees "
+                    f"keys {mask[row].nonzero().flatten().tolist()}, promised {expected[row].nonzero().flatten().tolist()}")
+    return None
+
+
+@torch.no_grad()
+def logits_through(model, idx, path, seed=0):
+    """idx's logits (B, T, vocab) by one attention path: "full" forward; "tokens" one at a time on a growing cache;
+    "chunks" on a growing cache; "static" chunks on a static cache holding large garbage where nothing was written."""
+    if path == "full":
+        return model(idx)[0]
+    B, T = idx.shape
+    cache = model.new_kv_cache(B, T, static=path == "static")
+    if path == "static":
+        garbage_(cache.k, torch.Generator().manual_seed(seed))
+        garbage_(cache.v, torch.Generator().manual_seed(seed + 1))
+    pieces, start = [], 0
+    for size in [1] * T if path == "tokens" else chunk_sizes(T, seed):
+        input_pos = torch.arange(start, start + size, device=idx.device) if path == "static" else None
+        pieces.append(model(idx[:, start:start + size], kv_cache=cache, input_pos=input_pos)[0])
+        start += size
+    return torch.cat(pieces, dim=1)
+
+
+PATHS = ("full", "tokens", "chunks", "static")
+
+
+@torch.no_grad()
+def visible_keys_error(model, seed=4):
+    """What the model does vs what its settings promise, through every path: in a one-layer copy, changing the
+    token at key k must move the logits at query q (k != q) exactly when the promise says q sees k. Returns the
+    largest move of a hidden key, or 1 if some visible key moved them less than BROKEN; 0 when the outputs keep
+    the promise. Weights of std 0.2, not 0.4: softer attention, so that every visible key weighs (moves >= 1e-2)."""
+    one_layer = randomize_(GPT(replace(model.config, n_layer=1)), seed, std=0.2).to(device_of(model))
+    T = model.config.block_size
+    idx = tokens(one_layer, (1, T), seed).repeat(T + 1, 1)  # row 0 as drawn, row 1 + k with the token at k changed
+    keys = torch.arange(T)
+    idx[keys + 1, keys] = (idx[keys + 1, keys] + 1) % model.config.vocab_size
+    own = torch.eye(T, dtype=torch.bool)  # a query's own token always moves its logits: left out
+    promise = promised_mask(model.config, range(T), T) & ~own  # (q, k)
+    worst = 0.0
+    for path in PATHS:
+        logits = logits_through(one_layer, idx, path, seed)  # (1 + T, T, vocab)
+        scale = max(1.0, logits[0].abs().max().item())
+        moved = ((logits[1:] - logits[:1]).abs().amax(dim=-1) / scale).T.cpu()  # (q, k): query q, token k changed
+        hidden = moved[~promise & ~own]
+        worst = max(worst, hidden.max().item(), 1.0 if (moved[promise] <= BROKEN).any() else 0.0)
+    return worst
+
+
 # ----------------------------------------------------------------------------------------------------
 # The configs cover every setting
 
@@ -196,6 +290,29 @@ def test_configs_cover_every_setting():
     assert kv == {"mha", "gqa", "mqa"}
     assert any(c.head_dim != c.n_embd // c.n_head for c in configs)
     assert any(0 < c.window < c.block_size // 4 for c in configs)  # a window that really cuts
+
+
+def test_every_setting_says_whether_it_changes_the_visible_keys():
+    for field in fields(GPTConfig):
+        assert (field.name in VISIBLE_KEYS) != (field.name in SAME_KEYS), (
+            f"GPTConfig.{field.name} must be in exactly one of VISIBLE_KEYS (with its promise: which keys a query "
+            f"then sees) and SAME_KEYS (it changes no query's keys) in tests/test_invariants.py")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Each query sees the keys its settings promise
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_mask_rule_gives_each_query_its_promised_keys(name):
+    base = config(name)
+    for checked in [base] + [replace(base, window=w) for w in (1, 2, 7, base.block_size - 1, base.block_size + 3)]:
+        assert mask_vs_promise(checked) is None, f"{name}, window {checked.window}: {mask_vs_promise(checked)}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_query_is_moved_by_its_promised_keys_only(name, device):
+    assert visible_keys_error(build(name, device)) < TOL
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -383,6 +500,12 @@ def window_one_too_wide(query_pos, key_pos, config):
     return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=config.window + 1) if config.window else config)
 
 
+def window_forgotten(query_pos, key_pos, config):
+    """A setting the rule ignores on every path alike (as an attention-sinks rule that does nothing would be): the
+    paths agree with each other, and only what the setting promises can tell."""
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0))
+
+
 def receptive_field_error(model):
     """receptive_field as one number for BREAKS: a change outside the field, or 1 if the field stops short."""
     outside, edge = receptive_field(model)
@@ -394,6 +517,7 @@ BREAKS = {  # a planted bug -> the invariant that must catch it
     "see_next_key_when_decoding": (see_next_key_when_decoding, static_vs_growing),
     "hide_first_key_in_chunks": (hide_first_key_in_chunks, fast_path_vs_mask),
     "window_one_too_wide": (window_one_too_wide, receptive_field_error),
+    "window_forgotten": (window_forgotten, visible_keys_error),
 }
 
 
@@ -401,9 +525,9 @@ BREAKS = {  # a planted bug -> the invariant that must catch it
 def test_a_planted_mask_bug_is_caught(bug, monkeypatch, device):
     broken, invariant = BREAKS[bug]
     models = {name: build(name, device) for name in NAMES}
+    failing = [name for name, m in models.items() if invariant(m) >= TOL]  # model.py's own rule, nothing planted
+    assert not failing, (f"model.py as it is fails {invariant.__name__} on {', '.join(failing)} before any bug is "
+                         f"planted: fix model.py (that invariant's own test fails too); this self-test is fine")
     monkeypatch.setattr(model_py, "can_attend", broken)  # attention looks it up at call time
     errors = {name: invariant(m) for name, m in models.items()}
     assert max(errors.values()) > BROKEN, errors  # caught for at least one config
-    monkeypatch.undo()
-    assert model_py.can_attend is ORIGINAL_CAN_ATTEND
-    assert max(invariant(m) for m in models.values()) < TOL  # and with the rule restored, it holds again
