@@ -254,8 +254,10 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_finishes(workdir):
     (compare.py waits for it rather than killing it); the same command then continues that run and finishes."""
     command = [sys.executable, os.path.join(ROOT, "compare.py"), f"a={TINY} --eval_interval=100000", "--seeds=1",
                "--iters=2000", "--out_dir=ctrl-c", "--threads=1"]
+    # As a terminal's foreground job: SIGINT at its default even when the tests run in the background (where the
+    # shell ignores it, and the ignoring is inherited), so that Python turns it into KeyboardInterrupt.
     process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     log = workdir / "ctrl-c" / "a" / "seed1337" / "train.log"
     deadline = time.time() + 120
     while not (log.exists() and "iter 20:" in log.read_text()) and time.time() < deadline:
