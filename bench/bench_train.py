@@ -4,7 +4,7 @@
     python bench/bench_train.py config/small.py --out_dir=out-bench --max_iters=30 --eval_interval=10
 
 Prints the machine, the median ms/iter and tokens/s, every evaluation (iteration, wall-clock seconds, train
-and val loss) and when val loss first reached --target (1.80: the goal of config/small.py). Other --key=value
+and val loss) and when val loss first reached --target (1.70: the goal of config/small.py). Other --key=value
 arguments go to train.py. The run trains from scratch in --out_dir (default out-bench rather than the config's
 own, so no real run is overwritten), replacing what an earlier run left there (--overwrite).
 """
@@ -62,7 +62,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", nargs="?", help="the config file (default: config/small.py)")
     parser.add_argument("--out_dir", default="out-bench", help="where the run goes (default: out-bench)")
-    parser.add_argument("--target", type=float, default=1.80, help="val loss to reach (default: 1.80)")
+    parser.add_argument("--target", type=float, default=1.70, help="val loss to reach (default: 1.70)")
     args, overrides = parser.parse_known_args()
     config = os.path.abspath(args.config) if args.config else os.path.join(ROOT, "config", "small.py")
     out_dir = os.path.abspath(args.out_dir)  # both absolute: train.py runs in the repo root
