@@ -121,6 +121,30 @@ def chunk_sizes(total, seed):
     return sizes
 
 
+@torch.no_grad()
+def logits_through(model, idx, path, seed=0, cache=None):
+    """idx's logits (B, T, vocab) by one attention path: "full" forward; "tokens" one at a time on a growing cache;
+    "chunks" (chunk_sizes) on a growing cache; "static" the same chunks on a static cache holding large garbage
+    where nothing was written. cache: the empty cache to fill (the caller's, to go on with), else a new one."""
+    if path == "full":
+        return model(idx)[0]
+    B, T = idx.shape
+    if cache is None:
+        cache = model.new_kv_cache(B, T, static=path == "static")
+    if path == "static":
+        garbage_(cache.k, torch.Generator().manual_seed(seed))
+        garbage_(cache.v, torch.Generator().manual_seed(seed + 1))
+    pieces, start = [], 0
+    for size in [1] * T if path == "tokens" else chunk_sizes(T, seed):
+        input_pos = torch.arange(start, start + size, device=idx.device) if path == "static" else None
+        pieces.append(model(idx[:, start:start + size], kv_cache=cache, input_pos=input_pos)[0])
+        start += size
+    return torch.cat(pieces, dim=1)
+
+
+PATHS = ("full", "tokens", "chunks", "static")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The invariants, each a function of a model that returns how far it is from holding (0 when exact)
 
@@ -131,11 +155,8 @@ def cache_vs_full(model, batch=2, seed=0):
     feed other tokens (a chunk, then one token) and compare with a full forward of that other sequence."""
     T = model.config.block_size
     idx = tokens(model, (batch, T), seed)
-    cache, pieces, start = model.new_kv_cache(batch, T), [], 0
-    for size in chunk_sizes(T, seed):
-        pieces.append(model(idx[:, start:start + size], kv_cache=cache)[0])
-        start += size
-    worst = max_error(torch.cat(pieces, dim=1), model(idx)[0])
+    cache = model.new_kv_cache(batch, T)
+    worst = max_error(logits_through(model, idx, "chunks", seed, cache), model(idx)[0])
 
     k = T // 2
     cache.truncate(k)
@@ -149,19 +170,8 @@ def cache_vs_full(model, batch=2, seed=0):
 def static_vs_growing(model, batch=2, seed=1):
     """A static cache (written at input_pos, read whole with a mask) holding large garbage where nothing
     was written yet, vs the growing cache, chunk by chunk (single tokens included)."""
-    T = model.config.block_size
-    idx = tokens(model, (batch, T), seed)
-    growing, static = model.new_kv_cache(batch, T), model.new_kv_cache(batch, T, static=True)
-    generator = torch.Generator().manual_seed(seed)
-    garbage_(static.k, generator)  # unwritten slots must be masked out, whatever they hold
-    garbage_(static.v, generator)
-    worst, start = 0.0, 0
-    for size in chunk_sizes(T, seed):
-        chunk = idx[:, start:start + size]
-        expected = model(chunk, kv_cache=growing)[0]
-        actual = model(chunk, kv_cache=static, input_pos=torch.arange(start, start + size, device=idx.device))[0]
-        worst, start = max(worst, max_error(actual, expected)), start + size
-    return worst
+    idx = tokens(model, (batch, model.config.block_size), seed)
+    return max_error(logits_through(model, idx, "static", seed), logits_through(model, idx, "chunks", seed))
 
 
 @torch.no_grad()
@@ -230,28 +240,6 @@ def mask_vs_promise(config, seed=0):
 
 
 @torch.no_grad()
-def logits_through(model, idx, path, seed=0):
-    """idx's logits (B, T, vocab) by one attention path: "full" forward; "tokens" one at a time on a growing cache;
-    "chunks" on a growing cache; "static" chunks on a static cache holding large garbage where nothing was written."""
-    if path == "full":
-        return model(idx)[0]
-    B, T = idx.shape
-    cache = model.new_kv_cache(B, T, static=path == "static")
-    if path == "static":
-        garbage_(cache.k, torch.Generator().manual_seed(seed))
-        garbage_(cache.v, torch.Generator().manual_seed(seed + 1))
-    pieces, start = [], 0
-    for size in [1] * T if path == "tokens" else chunk_sizes(T, seed):
-        input_pos = torch.arange(start, start + size, device=idx.device) if path == "static" else None
-        pieces.append(model(idx[:, start:start + size], kv_cache=cache, input_pos=input_pos)[0])
-        start += size
-    return torch.cat(pieces, dim=1)
-
-
-PATHS = ("full", "tokens", "chunks", "static")
-
-
-@torch.no_grad()
 def visible_keys_error(model, seed=4):
     """What the model does vs what its settings promise, through every path: in a one-layer copy, changing the
     token at key k must move the logits at query q (k != q) exactly when the promise says q sees k. Returns the
@@ -307,7 +295,8 @@ def test_every_setting_says_whether_it_changes_the_visible_keys():
 def test_the_mask_rule_gives_each_query_its_promised_keys(name):
     base = config(name)
     for checked in [base] + [replace(base, window=w) for w in (1, 2, 7, base.block_size - 1, base.block_size + 3)]:
-        assert mask_vs_promise(checked) is None, f"{name}, window {checked.window}: {mask_vs_promise(checked)}"
+        disagreement = mask_vs_promise(checked)
+        assert disagreement is None, f"{name}, window {checked.window}: {disagreement}"
 
 
 @pytest.mark.parametrize("name", NAMES)
