@@ -8,20 +8,19 @@ The decoding engine: from a prompt's token ids to new tokens, fast, for sample.p
 - decode_speculative: a smaller draft model proposes draft_k tokens, the model checks them in one forward
   pass, and the output follows the model's own distribution exactly.
 - Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
-- thin_input_linears: a CPU speed trick for decode steps, used only where it measures faster here.
+- On a CPU every decode step's matrix products run the kernel measured fastest on the machine (kernels.py).
 
 Settings are sample.py's: num_samples, max_new_tokens, temperature, top_k, top_p, no_kv_cache, compile,
 draft_k. The next token is always chosen by model.sample_next_token / model.sampling_probs.
 """
 
-import contextlib
 import sys
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import decode_linears, use_compile_cache
 from model import sample_next_token, sampling_probs
 
 
@@ -102,68 +101,26 @@ def last_logits(model, tokens, cache):
     return model.lm_head(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
-# ----------------------------------------------------------------------------------------------------
-# A CPU speed trick, used only where it measures faster on the machine at hand
-
-# A batch-1 step (one row: a matrix-vector product) or a decode batch (too many rows for one, too few for a good GEMM)
-THIN_ROWS = (1, *range(4, 17))
-thin_pays = {}  # (rows, out_features, in_features, dtype) -> whether the thin form measured faster than x @ W^T
-
-
-def thin_input_linear(layer, x):
-    """layer(x) for a linear layer, with an input of THIN_ROWS rows computed as W @ x (one row, torch.mv) or
-    (W @ x^T)^T: some BLAS run those forms near memory bandwidth where x @ W^T runs well below (MKL's fp32 at 8
-    rows on an Intel Xeon; oneDNN's bf16 at 1 and 8 rows there, 1.6-2x; bench/RESULTS.md)."""
-    rows = x.numel() // x.size(-1)
-    if rows not in THIN_ROWS:
-        return F.linear(x, layer.weight, layer.bias)
-    if rows == 1:
-        y = torch.mv(layer.weight, x.reshape(-1))[None]  # (1, out_features)
-    else:
-        y = (layer.weight @ x.reshape(rows, -1).T).T  # (rows, out_features)
-    if layer.bias is not None:
-        y = y + layer.bias
-    return y.view(*x.shape[:-1], -1)
-
-
-def thin_is_faster(layer, rows, repeats=5):
-    """Whether thin_input_linear beats F.linear on this machine for layer (the output head, a step's largest
-    matrix) at rows rows; each timed repeats times, interleaved, best kept. Measured once per shape."""
-    key = (rows, *layer.weight.shape, layer.weight.dtype)
-    if key not in thin_pays:
-        x = torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
-        best = {}
-        for _ in range(repeats):
-            for name, fn in (("thin", thin_input_linear), ("plain", lambda layer, x: F.linear(x, layer.weight))):
-                start = time.perf_counter()
-                fn(layer, x)
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - start)
-        thin_pays[key] = best["thin"] < best["plain"]
-    return thin_pays[key]
-
-
-@contextlib.contextmanager
-def thin_input_linears(model, rows):
-    """While in the block, every linear layer of the model computes inputs of THIN_ROWS rows (a decode batch) in
-    thin_input_linear's form, if that measures faster on this CPU at rows rows; elsewhere (GPUs, other sizes)
-    nothing changes."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    use = (device_of(model).type == "cpu" and rows in THIN_ROWS and isinstance(model.lm_head, nn.Linear)
-           and thin_is_faster(model.lm_head, rows))  # not for quantized layers (quantize.py), which have no .weight
-    for layer in linears if use else []:
-        layer.forward = lambda x, layer=layer: thin_input_linear(layer, x)  # this instance only
-    try:
-        yield
-    finally:
-        for layer in linears if use else []:
-            del layer.forward
-
-
 # The compiled decode step on CUDA: mode="reduce-overhead" (CUDA graphs: eager, a step is hundreds of kernel
 # launches, launch-bound) plus coordinate-descent tuning, gpt-fast's setting: with it inductor turns a one-row
 # matrix product into a reduction (its decomposition of aten.mm), which is what fuses --quantize=int8's int8-to-16-bit
 # cast into the product, so that a batch-1 step reads int8 weights (tests/test_quantize.py shows the graph).
 CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <= 255 unused slots costs ~1% here
+# On a CPU the decode step compiles by default where that pays: weights larger than this (beyond a CPU's caches, so
+# a step is bound by reading them; GPT-2-small's 456 MB: 13.7 -> 8.3 ms a token on an AMD EPYC) or int8 weights
+# (eager, each step makes a float copy of them). A smaller model's eager step is ~1 ms, mostly per-op overhead, and
+# loading its compiled code (~3 s) costs more than its tokens gain: config/small.py's model, 500 tokens, 1.5 s eager
+# from launch to exit, 4.8 s compiled (bench/RESULTS.md).
+COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
+
+
+def compiles_by_default(model):
+    """Whether sample.py compiles this model's decode step when --compile is not given."""
+    tensors = [*model.parameters(), *model.buffers()]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    int8 = any(t.dtype == torch.int8 for t in tensors)
+    return device_of(model).type == "cpu" and (int8 or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
 
 
 @torch.inference_mode()
@@ -172,7 +129,7 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
     leave the batch. With no_kv_cache, every step recomputes the whole context instead. With compile, the
     decode step is compiled, and samples that end stay in the batch (their tokens unused): a batch that
     shrank would be a new shape to compile."""
-    with contextlib.nullcontext() if settings["compile"] else thin_input_linears(model, settings["num_samples"]):
+    with decode_linears(model, settings["num_samples"], compiled=settings["compile"] and not settings["no_kv_cache"]):
         decode_loop(model, prompt_ids, settings, samples, generator)
 
 
@@ -182,11 +139,14 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     vocab_size = samples.tokenizer.vocab_size
     compiled = settings["compile"] and not settings["no_kv_cache"]
     if compiled:
+        use_compile_cache()  # compiled once per machine: a later run loads the kernels
         step_fn = torch.compile(decode_step, fullgraph=True, dynamic=False,
                                 options=CUDA_COMPILE_OPTIONS if device.type == "cuda" else None)
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters.
-    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
+    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters. Compiled,
+    # rounded up to a multiple of COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code.
+    max_len = len(prompt_ids) + settings["max_new_tokens"]
+    max_len = min(block_size, -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP if compiled else max_len)
     contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
     cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, compiled)
     if compiled:  # eager: this batch of 1 would be a second shape to compile
@@ -273,6 +233,12 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
 
 def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
     """Decode each sample in turn with speculative steps; returns (accepted, proposed) counts."""
+    with decode_linears(target, settings["draft_k"] + 1), decode_linears(draft, 1):
+        return speculative_loop(target, draft, prompt_ids, settings, samples, generator)
+
+
+def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
+    """decode_speculative's steps, with the models as they are given."""
     block_size = min(target.config.block_size, draft.config.block_size)
     vocab_size = samples.tokenizer.vocab_size
     device = device_of(target)

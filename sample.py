@@ -7,8 +7,8 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
                                                               # (python train.py config/small_draft.py trains it)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
-    python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (pays off on long runs)
-    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights: the fastest on CPU (docs/sampling.md)
+    python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (once per machine)
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest (docs/sampling.md)
     python sample.py --prompt "ROMEO:" --dtype=bfloat16       # half the bytes of float32
 
 This is the command line; the decoding itself is engine.py's. The prompt goes through the model once and
@@ -27,7 +27,8 @@ import torch
 from checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
                         train_command)
 from configurator import ConfigError, configure
-from engine import Samples, decode_batch, decode_speculative
+from engine import Samples, compiles_by_default, decode_batch, decode_speculative
+from kernels import cache_dir
 from model import check_sampling
 from quantize import QuantizeError, check_quantize, quantize
 from tokenizer import Tokenizer, TokenizerError
@@ -45,9 +46,10 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too; on CUDA with --compile=True)
+    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too); fast compiled
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
-    compile=False,  # torch.compile the decode step: static cache shapes, compiled once (~1-2 min on a 2-core CPU)
+    compile=None,  # torch.compile the decode step (static cache shapes; compiled code is kept: kernels.cache_dir());
+    # None: on a CPU where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
     draft_k=4,  # tokens the draft proposes per step
 )
@@ -82,6 +84,8 @@ def check_settings(settings):
         check_sampling(settings["temperature"], settings["top_k"], settings["top_p"])
     except ValueError as e:
         raise SampleError(str(e)) from None
+    if settings["compile"] not in (None, True, False):
+        raise SampleError(f"compile must be True or False, got {settings['compile']!r}")
     if settings["draft_k"] < 1:
         raise SampleError(f"draft_k must be at least 1, got {settings['draft_k']}")
     if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
@@ -110,10 +114,15 @@ def main(argv):
     stops = check_settings(settings)
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
-    check_quantize(settings["quantize"], device, settings["compile"])
+    check_quantize(settings["quantize"])
     model, meta, dataset = load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"],
                                     device, dtype)
     quantize(model, settings["quantize"])
+    if settings["compile"] is None:  # speculative and uncached decoding compile nothing
+        settings["compile"] = not settings["draft"] and not settings["no_kv_cache"] and compiles_by_default(model)
+        if settings["compile"]:
+            print(f"note: compiling the decode step, kept in {cache_dir()}: slow only in a machine's first run "
+                  f"(--compile=False skips it)", file=sys.stderr)
     tokenizer = Tokenizer(meta)
     draft = None
     if settings["draft"]:

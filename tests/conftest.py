@@ -1,5 +1,8 @@
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -8,6 +11,12 @@ FAKE_CUDA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_c
 _spec = importlib.util.spec_from_file_location("fake_cuda_site", os.path.join(FAKE_CUDA_DIR, "sitecustomize.py"))
 fake_cuda_site = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_cuda_site)
+
+# Kernel choices and compiled code (kernels.cache_dir()) go to a folder of this session's, not the user's ~/.cache:
+# each session measures afresh, and subprocesses (sample.py, eval.py) share it through the environment.
+if "GPT_CACHE_DIR" not in os.environ:
+    os.environ["GPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPT_CACHE_DIR"], ignore_errors=True)
 
 # The device the tests that take one (the `device` fixture) run on: TEST_DEVICE=cuda python -m pytest runs them
 # on the GPU. Tests about the CPU on purpose (its int8 kernels, faked CUDA, CPU timings, Hugging Face references)

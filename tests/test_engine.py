@@ -2,12 +2,12 @@
 model's distribution (a chi-square test over many steps), each speculative step leaves both KV caches
 holding exactly the accepted tokens, and the CPU speed trick computes what nn.Linear does, only where on."""
 
+import copy
 import math
 from statistics import NormalDist
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import engine
 from model import GPT, GPTConfig
@@ -165,37 +165,15 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k, devic
     assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
 
 
-
-
-# ----------------------------------------------------------------------------------------------------
-# The CPU speed trick for decode batches (engine.py uses it on the CPU only: these tests stay there)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17])
-@pytest.mark.parametrize("bias", [False, True])
-def test_thin_input_linear_equals_nn_linear_for_every_row_count(rows, bias):
-    """thin_input_linear computes 1 row as W @ x and 4 to 16 rows as (W @ x^T)^T; the result is nn.Linear's, in x's shape."""
-    torch.manual_seed(0)
-    layer = torch.nn.Linear(48, 80, bias=bias)
-    x = torch.randn(rows, 1, 48)
-    actual = engine.thin_input_linear(layer, x)
-    assert actual.shape == (rows, 1, 80)
-    torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("faster", [True, False])
-def test_thin_input_linears_apply_only_where_measured_faster_and_only_inside(monkeypatch, faster):
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)).eval()
-    monkeypatch.setattr(engine, "thin_is_faster", lambda layer, rows: faster)
-    calls = []
-    monkeypatch.setattr(engine, "thin_input_linear", lambda layer, x: calls.append(layer) or F.linear(x, layer.weight, layer.bias))
-    x = torch.randint(0, 64, (8, 3))
-    with torch.no_grad():
-        expected = model(x)[0]
-        with engine.thin_input_linears(model, rows=8):
-            inside = model(x)[0]
-        assert len(calls) == (8 if faster else 0)  # q, k, v, o, gate, up, down and the head
-        model(x)
-    torch.testing.assert_close(inside, expected)
-    assert len(calls) == (8 if faster else 0)  # outside the block: nn.Linear again
-    assert not any("forward" in vars(m) for m in model.modules())
+def test_a_cpu_model_compiles_by_default_when_large_or_int8_and_a_gpu_one_never(monkeypatch):
+    """engine.compiles_by_default, sample.py's --compile when not given: on a CPU, for weights beyond
+    COMPILE_BY_DEFAULT_BYTES or int8 ones; a small float model's eager step is faster from launch to exit."""
+    from quantize import quantize
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert not engine.compiles_by_default(model)
+    monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", weight_bytes - 1)
+    assert engine.compiles_by_default(model)
+    assert not engine.compiles_by_default(copy.deepcopy(model).to("meta"))  # not a CPU: never by default
+    monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", 10 * weight_bytes)
+    assert engine.compiles_by_default(quantize(model, "int8"))

@@ -22,6 +22,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import engine
 import sample
 from configurator import ConfigError
 from data.shakespeare_char import prepare as prepare_char
@@ -232,6 +233,8 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
     torch_compile, cache_addresses = torch.compile, set()
 
     def compile_recording_addresses(fn, **kwargs):
+        if fn is not engine.decode_step:  # kernels.measure's timing of compiled matrix products
+            return torch_compile(fn, **kwargs)
         compiled = torch_compile(fn, **{**kwargs, "backend": counting_backend})
 
         def step(model, tokens, cache, input_pos):

@@ -1,0 +1,284 @@
+"""
+Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: chosen by measurement on the
+machine, once, and remembered.
+
+    with decode_linears(model, rows=1):   # inside, every nn.Linear of the model runs the kernel measured fastest
+        ...decode steps...
+
+A decode step reads every weight once to multiply it by one row per sample: it is bound by how fast a kernel
+streams the weights, and which kernel does that best depends on the CPU and on what torch was built with. On an
+AMD EPYC (Zen 5), MKL's fp32 product (what F.linear runs) reads the 50304 x 768 output head at ~15 GB/s, oneDNN's
+at ~57; on an Intel Xeon MKL's one-row form (torch.mv) was the fast one (bench/RESULTS.md). So no kernel is picked
+by vendor: each candidate in KERNELS runs every linear layer of the model once, in order (a model larger than the
+CPU's caches is then read from memory, as decoding reads it), interleaved and best of REPEATS, and the fastest
+wins. Every candidate computes the same product in the same precision, only in another order: a choice changes
+the logits within float rounding, never the precision (a candidate that disagrees with F.linear is dropped).
+
+The choice is kept in kernels.json under cache_dir() with the machine it was measured on (CPU model and flags,
+torch version, threads): on another machine, torch or thread count it is measured again. torch.compile's own
+caches go there too (use_compile_cache), so that compiling is paid once per machine, not once per run.
+"""
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from files import atomic_open
+from quantize import Int8WeightOnlyLinear
+
+DECODE_ROWS = 16  # inputs of at most this many rows are decode-sized (batched samples, speculative chunks)
+REPEATS = 5  # timings of each candidate, interleaved; the best is kept
+CACHE_ENV = "GPT_CACHE_DIR"  # where choices and compiled kernels are kept; default ~/.cache/gpt
+
+
+def torch_linear(x, weight, bias):  # torch's own choice: MKL's sgemm for fp32 on x86 builds, oneDNN for bf16
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+@torch.library.custom_op("gpt::onednn_linear", mutates_args=())
+def compiled_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """onednn_linear as an op of its own, opaque to torch.compile: inductor lowers mkldnn's linear only for weights
+    frozen into the graph (torch._inductor.config.freezing)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@compiled_onednn_linear.register_fake
+def onednn_linear_shape(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.size(0))
+
+
+def onednn_linear(x, weight, bias):  # oneDNN's inner product, called directly
+    weight = weight.to(x.dtype)
+    if torch.compiler.is_compiling():
+        return compiled_onednn_linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # eager: without the op's dispatch
+
+
+def matrix_vector_linear(x, weight, bias):
+    """W @ x for one row (torch.mv), (W @ x^T)^T for more: the BLAS's matrix-vector form, or a product whose thin
+    side is the input, where some BLAS stream W faster than in x @ W^T."""
+    rows, weight = x.reshape(-1, x.size(-1)), weight.to(x.dtype)  # (M, in)
+    y = torch.mv(weight, rows[0])[None] if rows.size(0) == 1 else (weight @ rows.T).T  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+@torch.library.custom_op("gpt::computed_first", mutates_args=())
+def computed_first(x: torch.Tensor) -> torch.Tensor:
+    """x as it is, an op inductor cannot see into: what feeds a reduction_linear is computed once, before it."""
+    return x.clone()
+
+
+@computed_first.register_fake
+def computed_first_shape(x):
+    return torch.empty_like(x)
+
+
+def reduction_linear(x, weight, bias):
+    """y[..., o] = sum_i x[..., i] W[o, i] written as products and sums, one per input row: compiled, inductor
+    fuses them into one loop that streams the weights once for all rows (an int8 weight's cast to x's dtype
+    included). Eager it would hold x * W whole, so it is a candidate only compiled. Several rows are computed first:
+    inductor would otherwise fuse the ops that make them (a norm) into the loop and redo them for every weight, 3x
+    slower at 8 rows (a whole int8 step 40 -> 15 ms on an AMD EPYC); one row is faster fused (4.3 -> 3.6 ms)."""
+    rows, weight = x.reshape(-1, x.size(-1)), weight.to(x.dtype)  # (M, in)
+    if torch.compiler.is_compiling() and rows.size(0) > 1:  # one row: the fused form measured faster
+        rows = computed_first(rows)
+    y = torch.stack([(row * weight).sum(-1) for row in rows])  # (M, out); one broadcast product would read W M times
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
+           "reduction": reduction_linear}
+COMPILED_ONLY = ("reduction",)  # eager, it would hold x * W whole
+
+choices = {}  # (rows, dtype, shapes) -> kernel name, this process's; kernels.json keeps them between runs
+said = set()  # notes already printed (one line each, once per process)
+
+
+def say_once(note):
+    if note not in said:
+        said.add(note)
+        print(note, file=sys.stderr)
+
+
+def cache_dir():
+    """The folder kept between runs for kernel choices and compiled code: $GPT_CACHE_DIR, else ~/.cache/gpt."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.environ.get(CACHE_ENV) or os.path.join(base, "gpt")
+
+
+def this_machine():
+    """What a remembered choice holds only for: the CPU (model and instruction-set flags), torch, threads."""
+    model, flags = "unknown", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = value.strip()
+    except OSError:  # no /proc (macOS, Windows): the platform's own words for the CPU
+        import platform
+        model = platform.processor() or platform.machine()
+    return {"cpu": model, "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def read_choices(path):
+    """The choices remembered in path, if they were measured on this machine; else (none kept, another machine or
+    torch, an unreadable file) an empty dict."""
+    try:
+        with open(path) as f:
+            kept = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(kept, dict) or kept.get("machine") != this_machine() or not isinstance(kept.get("choices"), dict):
+        return {}
+    return kept["choices"]
+
+
+def remember(key, name):
+    """Add one choice to kernels.json (atomically); a folder that cannot be written costs only a note: the choice
+    is measured again in the next run."""
+    path = os.path.join(cache_dir(), "kernels.json")
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        kept = {**read_choices(path), key: name}
+        with atomic_open(path, "w") as f:
+            json.dump({"machine": this_machine(), "choices": kept}, f, indent=1)
+    except OSError as e:
+        say_once(f"note: cannot keep the decode kernel choice in {path} ({e.strerror}), so each run measures it "
+                 f"again (about a second); set {CACHE_ENV} to a writable folder to keep it")
+
+
+def activation_dtype(layer):  # a weight-only int8 layer (quantize.py) computes in its scales' dtype
+    return layer.scales.dtype if hasattr(layer, "scales") else layer.weight.dtype
+
+
+def usable_kernels(layer, rows, compiled):
+    """The names of the candidates that run here on a layer's weights (its first 64 rows: a check, not a timing)
+    and give F.linear's result within float rounding."""
+    x, weight = torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)), layer.weight[:64]
+    expected = F.linear(x.double(), weight.double())
+    tolerance = 1e-4 if x.dtype == torch.float32 else 2e-2  # relative to the largest output
+    usable = []
+    for name, kernel in KERNELS.items():
+        if name in COMPILED_ONLY and not compiled:
+            continue
+        try:
+            y = kernel(x, weight, None)
+        except RuntimeError:  # e.g. no oneDNN in this build, or none for this dtype on this CPU
+            continue
+        if y.shape == expected.shape and (y.double() - expected).abs().max() <= tolerance * expected.abs().max():
+            usable.append(name)
+    return usable
+
+
+def run_layers(kernel, layers, inputs):
+    """Every layer's product; returned, since a compiled function that returned nothing would compute nothing."""
+    return [kernel(x, layer.weight, layer.bias) for layer, x in zip(layers, inputs)]
+
+
+def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
+    """The name of the fastest of the candidates (names) over all layers at rows rows: each runs every layer once
+    per repeat, compiled if the step will be (inductor writes some products, e.g. torch.mv, as loops of its own,
+    2x faster than the library's eager; compiling takes a few seconds, once per machine)."""
+    inputs = [torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)) for layer in layers]
+    if compiled:
+        use_compile_cache()  # before the process's first compilation: inductor reads the folder once
+    run_all = torch.compile(run_layers, dynamic=False) if compiled else run_layers
+    runs = {name: functools.partial(run_all, KERNELS[name], layers, inputs) for name in candidates}
+    best = {}
+    with torch.inference_mode():
+        for run in runs.values():
+            run()  # a first call compiles, or builds the library's plan for these shapes
+        for _ in range(REPEATS):
+            for name, run in runs.items():
+                start = clock()
+                run()
+                best[name] = min(best.get(name, float("inf")), clock() - start)
+    return min(best, key=best.get)
+
+
+def choice_key(layers, rows, compiled):
+    shapes = sorted({(layer.out_features, layer.in_features, layer.bias is not None) for layer in layers})
+    dtypes = {str(layer.weight.dtype).removeprefix("torch."): None for layer in layers}
+    return (f"{'+'.join(dtypes)} weights, {rows} rows{', compiled' if compiled else ''}: "
+            + ", ".join(f"{o}x{i}{'+bias' if b else ''}" for o, i, b in shapes))
+
+
+def fastest_kernel(layers, rows, compiled):
+    """The name of the kernel for these layers (a model's linears) at rows rows, eager or compiled: remembered, else
+    measured."""
+    key = choice_key(layers, rows, compiled)
+    if key not in choices:
+        remembered = read_choices(os.path.join(cache_dir(), "kernels.json")).get(key)
+        if remembered in KERNELS:
+            choices[key] = remembered
+        else:
+            candidates = usable_kernels(max(layers, key=lambda layer: layer.weight.numel()), rows, compiled)
+            choices[key] = measure(layers, rows, candidates, compiled) if len(candidates) > 1 else candidates[0]
+            remember(key, choices[key])
+    return choices[key]
+
+
+def decode_linear(layer, kernel, x):
+    """layer(x) through the kernel named kernel for a decode-sized x (a COMPILED_ONLY one only while compiling); a
+    weight-only int8 layer's rows are scaled after the product."""
+    if x.numel() > DECODE_ROWS * x.size(-1) or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
+        return type(layer).forward(layer, x)  # a prefill (more rows than were measured), or an eager step
+    if not hasattr(layer, "scales"):
+        return KERNELS[kernel](x, layer.weight, layer.bias)
+    y = KERNELS[kernel](x, layer.weight, None) * layer.scales
+    return y if layer.bias is None else y + layer.bias
+
+
+def is_decode_linear(module):
+    """A linear layer on the CPU: an nn.Linear or a weight-only int8 one (quantize.py), each with .weight (out, in)."""
+    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear)) and module.weight.device.type == "cpu"
+
+
+@contextlib.contextmanager
+def decode_linears(model, rows, compiled=False):
+    """While in the block, every linear layer of a CPU model multiplies decode-sized inputs (up to DECODE_ROWS rows)
+    with the kernel measured fastest for the model's linears at `rows` rows, compiled or not. Elsewhere (GPUs)
+    nothing changes."""
+    linears = [m for m in model.modules() if is_decode_linear(m)]
+    kernel = fastest_kernel(linears, min(rows, DECODE_ROWS), compiled) if linears else "torch"
+    for layer in linears if kernel != "torch" else []:
+        layer.forward = functools.partial(decode_linear, layer, kernel)  # this instance only
+    try:
+        yield
+    finally:
+        for layer in linears:
+            layer.__dict__.pop("forward", None)
+
+
+def use_compile_cache():
+    """Point torch.compile's on-disk caches (inductor's compiled kernels and graphs) at cache_dir(), unless the user
+    chose a folder: kept there, a second run of the same compiled step loads them instead of compiling again.
+    (Importing inductor sets TORCHINDUCTOR_CACHE_DIR to its default, a temporary folder: that is no choice.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no more of inductor than this
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return
+    folder = os.path.join(cache_dir(), "inductor")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        say_once(f"note: cannot keep compiled code in {folder} ({e.strerror}); torch's own temporary folder is used")
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder

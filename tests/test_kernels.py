@@ -1,0 +1,241 @@
+"""Tests for kernels.py, the choice of the kernel that multiplies decode-sized inputs by each weight on a CPU: every
+candidate computes nn.Linear's product (int8 weights included); a candidate that fails or disagrees is never
+chosen; the fastest is chosen (timed by a fake clock here: a test cannot time a real machine reliably); a choice
+is remembered in kernels.json and trusted only on the machine, torch and thread count it was measured with; a
+cache folder that cannot be written costs one line, not the run; and decode_linears applies the choice only inside
+its block, only to decode-sized inputs, and a compiled-only kernel only while compiling."""
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels
+from model import GPT, GPTConfig
+from quantize import Int8WeightOnlyLinear
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    """A fresh cache folder and no choices of this process's: each test measures or reads for itself."""
+    monkeypatch.setenv(kernels.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "choices", {})
+    monkeypatch.setattr(kernels, "said", set())
+    return tmp_path / "cache"
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)).eval()
+
+
+def linears_of(model):
+    return [m for m in model.modules() if kernels.is_decode_linear(m)]
+
+
+@pytest.mark.parametrize("name", list(kernels.KERNELS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_kernel_computes_the_linear_layers_product_in_the_inputs_shape(name, rows, bias):
+    torch.manual_seed(0)
+    layer, x = nn.Linear(48, 80, bias=bias), torch.randn(rows, 1, 48)
+    if name not in kernels.usable_kernels(layer, rows, compiled=True):
+        assert name == "onednn" and not torch.backends.mkldnn.is_available()  # the one a build may lack
+        return
+    actual = kernels.KERNELS[name](x, layer.weight, layer.bias)
+    assert actual.shape == (rows, 1, 80)
+    torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(kernels.KERNELS))
+def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name):
+    """Weight-only int8 layers (quantize.py) hand their int8 weight to the kernel, which multiplies in x's dtype."""
+    torch.manual_seed(0)
+    weight, x = torch.randint(-127, 128, (40, 32), dtype=torch.int8), torch.randn(2, 32)
+    if name == "onednn" and not torch.backends.mkldnn.is_available():
+        return
+    torch.testing.assert_close(kernels.KERNELS[name](x, weight, None), x @ weight.float().T, atol=1e-4, rtol=1e-5)
+
+
+def test_a_kernel_that_fails_or_disagrees_is_no_candidate(monkeypatch):
+    def failing(x, weight, bias):
+        raise RuntimeError("could not create a primitive descriptor")  # what oneDNN says for a dtype it lacks
+
+    def off_by_a_little(x, weight, bias):  # 1e-3 relative: more than float32 rounding, a lower precision
+        return F.linear(x, weight, bias) * (1 + 1e-3)
+
+    monkeypatch.setattr(kernels, "KERNELS", {"torch": kernels.torch_linear, "failing": failing,
+                                             "off": off_by_a_little, "reduction": kernels.reduction_linear})
+    layer = nn.Linear(64, 100)
+    assert kernels.usable_kernels(layer, 1, compiled=True) == ["torch", "reduction"]
+    assert kernels.usable_kernels(layer, 1, compiled=False) == ["torch"]  # the reduction only pays compiled
+
+
+def fake_timed_kernels(monkeypatch, costs):
+    """KERNELS replaced by kernels that each advance a fake clock by their cost per layer; returns the clock."""
+    now = [0.0]
+
+    def timed(cost):
+        def kernel(x, weight, bias):
+            now[0] += cost
+            return F.linear(x, weight.to(x.dtype), bias)
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: timed(cost) for name, cost in costs.items()})
+    return lambda: now[0]
+
+
+def test_the_fastest_candidate_is_chosen(monkeypatch):
+    clock = fake_timed_kernels(monkeypatch, {"torch": 3.0, "onednn": 1.0, "matrix-vector": 2.0})
+    layers = linears_of(tiny_model())
+    assert kernels.measure(layers, 1, ["torch", "onednn", "matrix-vector"], False, clock=clock) == "onednn"
+    assert kernels.measure(layers, 1, ["torch", "matrix-vector"], False, clock=clock) == "matrix-vector"
+
+
+def test_a_choice_is_measured_once_then_remembered_on_disk(monkeypatch, cache):
+    model, measured = tiny_model(), []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or candidates[-1])
+    name = kernels.fastest_kernel(linears_of(model), 1, compiled=False)
+    assert measured == [1] and name in kernels.KERNELS
+    kept = json.loads((cache / "kernels.json").read_text())
+    assert kept["machine"] == kernels.this_machine() and list(kept["choices"].values()) == [name]
+    monkeypatch.setattr(kernels, "choices", {})  # a new run: only the file remembers
+    assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) == name and measured == [1]
+    kernels.fastest_kernel(linears_of(model), 8, compiled=False)  # another batch: another measurement
+    assert measured == [1, 8] and len(json.loads((cache / "kernels.json").read_text())["choices"]) == 2
+
+
+@pytest.mark.parametrize("field, other", [("cpu", "Some Other CPU"), ("cpu_flags", "0123456789ab"),
+                                          ("torch", "2.0.0"), ("threads", 64)])
+def test_a_choice_from_another_machine_torch_or_thread_count_is_measured_again(monkeypatch, cache, field, other):
+    model = tiny_model()
+    key = kernels.choice_key(linears_of(model), 1, False)
+    cache.mkdir()
+    (cache / "kernels.json").write_text(json.dumps({"machine": {**kernels.this_machine(), field: other},
+                                                    "choices": {key: "matrix-vector"}}))
+    measured = []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or "torch")
+    assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) == "torch" and measured == [1]
+    kept = json.loads((cache / "kernels.json").read_text())
+    assert kept == {"machine": kernels.this_machine(), "choices": {key: "torch"}}  # the stale choice is gone
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_one_line_not_the_run(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(kernels.CACHE_ENV, str(blocker / "cache"))  # under a file: no folder can be made there
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    model, x = tiny_model(), torch.randint(0, 64, (1, 4))
+    expected = model(x)[0]
+    for _ in range(2):  # the second run of it in this process says nothing more
+        monkeypatch.setattr(kernels, "choices", {})
+        with torch.no_grad(), kernels.decode_linears(model, 1):
+            torch.testing.assert_close(model(x[:, :1])[0], expected[:, :1])
+        kernels.use_compile_cache()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2, lines
+    assert "cannot keep the decode kernel choice" in lines[0] and kernels.CACHE_ENV in lines[0]
+    assert "cannot keep compiled code" in lines[1]
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # importing inductor sets the variable
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir()  # torch's own
+
+
+def test_compiled_code_is_kept_in_the_cache_folder_unless_the_user_chose_one(monkeypatch, cache):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing inductor sets: no choice
+    kernels.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache / "inductor") and (cache / "inductor").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    kernels.use_compile_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
+
+
+def recording_kernels(monkeypatch, chosen):
+    """Every kernel records the layer sizes it is called for; fastest_kernel answers `chosen`."""
+    calls = []
+
+    def recording(x, weight, bias):
+        calls.append(tuple(weight.shape))
+        return F.linear(x, weight.to(x.dtype), bias)
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: recording for name in kernels.KERNELS})
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: chosen)
+    return calls
+
+
+def test_decode_linears_apply_the_choice_inside_the_block_to_decode_sized_inputs_only(monkeypatch):
+    model, calls = tiny_model(), recording_kernels(monkeypatch, "onednn")
+    one, many = torch.randint(0, 64, (1, 1)), torch.randint(0, 64, (1, 16))  # 16 tokens: 16 rows, a decode chunk
+    with torch.no_grad():
+        expected = model(one)[0], model(many)[0]
+        with kernels.decode_linears(model, rows=1):
+            inside = model(one)[0]
+            assert len(calls) == 8  # q, k, v, o, gate, up, down and the head
+            model(many)
+            assert len(calls) == 16
+            model(torch.randint(0, 64, (1, 17)))  # 17 rows: a prefill, the layers' own product
+            assert len(calls) == 16
+        model(one)
+    torch.testing.assert_close(inside, expected[0])
+    assert len(calls) == 16  # outside the block: nn.Linear again
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_torchs_own_kernel_chosen_leaves_the_layers_as_they_are(monkeypatch):
+    model = tiny_model()
+    recording_kernels(monkeypatch, "torch")
+    with kernels.decode_linears(model, rows=1):
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_a_compiled_only_kernel_runs_only_while_compiling(monkeypatch):
+    """The reduction would hold x * W whole eager (the head's 50304 x 768 per row): eager steps of a compiled
+    decode (the first one, a prefill) keep the layers' own product."""
+    model, calls = tiny_model(), recording_kernels(monkeypatch, "reduction")
+    with torch.no_grad(), kernels.decode_linears(model, rows=1, compiled=True):
+        model(torch.randint(0, 64, (1, 1)))
+        assert calls == []
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        model(torch.randint(0, 64, (1, 1)))
+        assert len(calls) == 8
+
+
+def test_an_int8_layers_rows_are_scaled_after_the_kernels_product(monkeypatch):
+    torch.manual_seed(0)
+    layer = Int8WeightOnlyLinear(nn.Linear(32, 24))
+    model = nn.Sequential(layer)
+    recording_kernels(monkeypatch, "matrix-vector")
+    x = torch.randn(1, 32)
+    expected = F.linear(x, layer.dequantized_weight(), layer.bias)
+    with kernels.decode_linears(model, rows=1):
+        torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_measurement_computes_every_product():
+    """measure() times run_layers compiled for the compiled-only kernels: what it returns is what inductor keeps, so
+    it must return every layer's product (a function returning nothing compiled to nothing and timed as fastest)."""
+    layers = linears_of(tiny_model())
+    inputs = [torch.randn(2, layer.in_features) for layer in layers]
+    with torch.inference_mode():
+        products = torch.compile(kernels.run_layers, dynamic=False)(kernels.reduction_linear, layers, inputs)
+    assert len(products) == len(layers)
+    for product, layer, x in zip(products, layers, inputs):
+        torch.testing.assert_close(product, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_reduction_compiled_after_a_norm_computes_the_product_of_the_normed_rows(rows):
+    """Compiled, several rows go through computed_first (an op inductor cannot fuse into the weight loop) and one
+    row does not: either way the product is the normed rows' (real inductor, ~5 s with a cold cache)."""
+    torch.manual_seed(0)
+    norm, layer = nn.RMSNorm(32), nn.Linear(32, 40, bias=False)
+    x = torch.randn(rows, 32)
+
+    def normed_product(x):
+        return kernels.reduction_linear(norm(x), layer.weight, None)
+
+    with torch.inference_mode():
+        torch.testing.assert_close(torch.compile(normed_product, dynamic=False)(x), layer(norm(x)), atol=1e-5, rtol=1e-5)
