@@ -177,3 +177,31 @@ def test_a_cpu_model_compiles_by_default_when_large_or_int8_and_a_gpu_one_never(
     assert not engine.compiles_by_default(copy.deepcopy(model).to("meta"))  # not a CPU: never by default
     monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", 10 * weight_bytes)
     assert engine.compiles_by_default(quantize(model, "int8"))
+
+
+def test_compiled_steps_of_models_of_the_same_shapes_each_decode_their_own_text(monkeypatch):
+    """compile_decode_step drops the guards on the model's modules (their cost per step): each decode_batch call's
+    compiled code must then serve that call only. Two models with the same weights but another window (a constant
+    of the traced graph, not a tensor) decode, compiled one after the other in one process, what each decodes eager
+    (aot_eager: dynamo's guards and graphs, without inductor's compile time)."""
+    from tokenizer import Tokenizer, char_meta
+    tokenizer, torch_compile = Tokenizer(char_meta("abcdefgh")), torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(fn, **{**kwargs, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    texts = {}
+    for window in (0, 2):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                              window=window)).eval()
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 1.0)  # peaky: greedy text that depends on what each position sees
+        for compile in (True, False):
+            samples = engine.Samples(1, tokenizer, [], stream=False)
+            settings = dict(num_samples=1, max_new_tokens=12, temperature=0.0, top_k=None, top_p=None,
+                            no_kv_cache=False, compile=compile)
+            engine.decode_batch(model, [3], settings, samples, torch.Generator().manual_seed(0))
+            texts[window, compile] = samples.texts[0]
+    torch._dynamo.reset()
+    assert texts[0, False] != texts[2, False]  # the window changes the text: the test can tell the graphs apart
+    assert texts[0, True] == texts[0, False] and texts[2, True] == texts[2, False]
