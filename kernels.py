@@ -199,8 +199,10 @@ def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
     inputs = [torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
-    run_all = torch.compile(run_layers, dynamic=False) if compiled else run_layers
-    runs = {name: functools.partial(run_all, KERNELS[name], layers, inputs) for name in candidates}
+    # each candidate compiled on its own (isolate_recompiles): dynamo keeps at most 8 graphs of one function per
+    # region and runs the rest eager, which would time a kernel meant to run compiled as eager
+    runs = {name: functools.partial(torch.compile(run_layers, dynamic=False, isolate_recompiles=True) if compiled
+                                    else run_layers, KERNELS[name], layers, inputs) for name in candidates}
     best = {}
     with torch.inference_mode():
         for run in runs.values():

@@ -9,7 +9,7 @@ y = (x W_int8^T) * scale, the int8 weight cast to the activations' dtype inside 
 activations keep the model's precision, nothing of them is quantized. The same layer on every device:
 - Compiled (sample.py --compile=True), a step reads int8 weights: on a CPU, kernels.py writes each decode-sized
   product as a reduction, which inductor compiles into one loop that casts and multiplies as it streams the int8
-  weights (~3.8 ms a token for GPT-2-small on a 2-core AMD EPYC, beside llama.cpp's q8_0 at 3.5; bench/RESULTS.md); on CUDA,
+  weights (3.2-3.4 ms a token for GPT-2-small on a 2-core AMD EPYC, 0.77-0.93x llama.cpp's q8_0; bench/RESULTS.md); on CUDA,
   coordinate-descent tuning (engine.CUDA_COMPILE_OPTIONS) makes inductor turn a one-row product into such a
   reduction itself. At batch > 1 on a GPU (a one-row product no more), and eager anywhere, each step first writes
   a float copy of every weight and multiplies that: more bytes than float32, so slower; sample.py compiles int8
