@@ -7,8 +7,8 @@ machine, once, and remembered.
 
 A decode step reads every weight once to multiply it by one row per sample: it is bound by how fast a kernel
 streams the weights, and which kernel does that best depends on the CPU and on what torch was built with. On an
-AMD EPYC (Zen 5), MKL's fp32 product (what F.linear runs) reads the 50304 x 768 output head at ~15 GB/s, oneDNN's
-at ~57; on an Intel Xeon MKL's one-row form (torch.mv) was the fast one (bench/RESULTS.md). So no kernel is picked
+AMD EPYC (Zen 5), MKL's fp32 product (what F.linear runs) read a GPT-2-small step's weights at ~19 GB/s, oneDNN's
+at ~34, inductor's own loops at ~42 (bench/bench_kernels.py, one run); on an Intel Xeon MKL's one-row form (torch.mv) was the fast one (bench/RESULTS.md). So no kernel is picked
 by vendor: each candidate in KERNELS runs every linear layer of the model once, in order (a model larger than the
 CPU's caches is then read from memory, as decoding reads it), interleaved and best of REPEATS, and the fastest
 wins. Every candidate computes the same product in the same precision, only in another order: a choice changes
