@@ -13,6 +13,10 @@ by vendor: each candidate in KERNELS runs every linear layer of the model once, 
 CPU's caches is then read from memory, as decoding reads it), interleaved and best of REPEATS, and the fastest
 wins. Every candidate computes the same product in the same precision, only in another order: a choice changes
 the logits within float rounding, never the precision (a candidate that disagrees with F.linear is dropped).
+Two candidates take one kind of weight: oneDNN on weights packed once in its own layout (float; a second copy of
+the weights while decoding: float32 7.9 ms a GPT-2-small step's products at 1 row, 10.9 at 8, where MKL took 26 and
+41), and torch's int8 kernel (int8 weights times bfloat16 rows: 4.2 and 9.6 ms, where inductor's loop took 9.9 and
+21; AMD EPYC, bench/bench_kernels.py).
 
 The choice is kept in kernels.json under cache_dir() with the machine it was measured on (CPU model and flags,
 torch version, threads): on another machine, torch or thread count it is measured again. torch.compile's own
@@ -44,23 +48,22 @@ def torch_linear(x, weight, bias):  # torch's own choice: MKL's sgemm for fp32 o
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-@torch.library.custom_op("gpt::onednn_linear", mutates_args=())
-def compiled_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """onednn_linear as an op of its own, opaque to torch.compile: inductor lowers mkldnn's linear only for weights
-    frozen into the graph (torch._inductor.config.freezing)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def opaque_when_compiled(name):
+    """A decorator: the product (x, weight, bias) as it is when eager, and as a custom op of its own (gpt::name) while
+    compiling, which inductor calls as it is: it lowers none of these library calls, or only for weights frozen into
+    the graph (torch._inductor.config.freezing), and one of them looks its weights up at run time."""
+    def decorate(product):
+        op = torch.library.custom_op(f"gpt::{name}", product, mutates_args=())
+        op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.size(0)))
+        return functools.wraps(product)(lambda x, weight, bias: (op if torch.compiler.is_compiling() else product)(
+            x, weight, bias))  # eager: without the op's dispatch
+    return decorate
 
 
-@compiled_onednn_linear.register_fake
-def onednn_linear_shape(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.size(0))
-
-
-def onednn_linear(x, weight, bias):  # oneDNN's inner product, called directly
-    weight = weight.to(x.dtype)
-    if torch.compiler.is_compiling():
-        return compiled_onednn_linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # eager: without the op's dispatch
+@opaque_when_compiled("onednn_linear")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's inner product, called directly."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight.to(x.dtype), bias, "none", [], "")
 
 
 def matrix_vector_linear(x, weight, bias):
@@ -99,9 +102,47 @@ def reduction_linear(x, weight, bias):
     return y.view(*x.shape[:-1], weight.size(0))
 
 
+# (address, shape, dtype) of a weight -> (the weight, oneDNN's packed copy of it); emptied as decode_linears ends. The
+# weight is held so that no other tensor can take its address while its entry lasts.
+packed_weights = {}
+
+
+@opaque_when_compiled("packed_onednn_linear")
+def packed_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's inner product on a copy of the weight packed once (into packed_weights) in oneDNN's own blocked
+    layout. Given a plain weight, oneDNN reorders it at every call: a bfloat16 GPT-2-small step's products at 8 rows
+    took 9.8 ms that way and 6.3 packed on an AMD EPYC (bench/RESULTS.md). The copy doubles the weights' memory
+    while decoding (see room_for_a_copy); an int8 weight is not copied into a float one, which would read more."""
+    if not weight.is_floating_point():
+        raise RuntimeError("packed oneDNN takes float weights only")
+    rows = x.reshape(-1, x.size(-1))  # (M, in)
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    if key not in packed_weights:  # oneDNN's layout depends on the rows it is packed for: packed for one, float32
+        # products took 1.7x as long at 1 and at 8 rows on an AMD EPYC; any of 4 to 64 did alike, so every weight the same
+        packed_weights[key] = weight, torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS)
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed_weights[key][1], bias, "none", [], "")  # (M, out)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+@opaque_when_compiled("int8pack_linear")
+def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch's own weight-only int8 product (aten._weight_int8pack_mm, gpt-fast's on a CPU) for int8 weights (out,
+    in); its scales are ones here, decode_linear scales the rows after. torch 2.13 vectorizes it for bfloat16 rows
+    only (dot products of bf16 pairs): 3.5 ms for a GPT-2-small step's products at 1 row, 7.4 at 8, on an AMD EPYC;
+    float32 rows took 35 and 290, and the measurement drops it there."""
+    if weight.dtype != torch.int8:
+        raise RuntimeError("int8pack takes int8 weights only")
+    rows = x.reshape(-1, x.size(-1))  # (M, in)
+    y = torch._weight_int8pack_mm(rows, weight, torch.ones(weight.size(0), dtype=x.dtype))  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
 KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
-           "reduction": reduction_linear}
+           "reduction": reduction_linear, "onednn-packed": packed_onednn_linear, "int8pack": int8pack_linear}
 COMPILED_ONLY = ("reduction",)  # eager, it would hold x * W whole
+COPIES_WEIGHTS = ("onednn-packed",)  # a candidate only where a second copy of the weights fits (room_for_a_copy)
 
 choices = {}  # (rows, dtype, shapes) -> kernel name, this process's; kernels.json keeps them between runs
 said = set()  # notes already printed (one line each, once per process)
@@ -215,10 +256,20 @@ def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
     return min(best, key=best.get)
 
 
+def room_for_a_copy(layers):
+    """Whether a second copy of the layers' weights fits in half the memory free now (Linux; elsewhere, no)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return False
+    return 2 * sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) < free
+
+
 def choice_key(layers, rows, compiled):
     shapes = sorted({(layer.out_features, layer.in_features, layer.bias is not None) for layer in layers})
     dtypes = {str(layer.weight.dtype).removeprefix("torch."): None for layer in layers}
-    return (f"{'+'.join(dtypes)} weights, {rows} rows{', compiled' if compiled else ''}: "
+    activations = {str(activation_dtype(layer)).removeprefix("torch."): None for layer in layers}
+    return (f"{'+'.join(dtypes)} weights, {'+'.join(activations)} rows: {rows}{', compiled' if compiled else ''}; "
             + ", ".join(f"{o}x{i}{'+bias' if b else ''}" for o, i, b in shapes))
 
 
@@ -228,10 +279,12 @@ def fastest_kernel(layers, rows, compiled):
     key = choice_key(layers, rows, compiled)
     if key not in choices:
         remembered = read_choices(os.path.join(cache_dir(), "kernels.json")).get(key)
-        if remembered in KERNELS:
+        room = room_for_a_copy(layers)
+        if remembered in KERNELS and (room or remembered not in COPIES_WEIGHTS):
             choices[key] = remembered
         else:
             candidates = usable_kernels(max(layers, key=lambda layer: layer.weight.numel()), rows, compiled)
+            candidates = [name for name in candidates if room or name not in COPIES_WEIGHTS]
             choices[key] = measure(layers, rows, candidates, compiled) if len(candidates) > 1 else candidates[0]
             remember(key, choices[key])
     return choices[key]
@@ -267,6 +320,7 @@ def decode_linears(model, rows, compiled=False):
     finally:
         for layer in linears:
             layer.__dict__.pop("forward", None)
+        packed_weights.clear()  # the weights may change after the block: packed again in the next
 
 
 def use_compile_cache():

@@ -1,12 +1,12 @@
 """Every decode kernel candidate of kernels.py on the linear layers of a GPT-2-small step, eager and compiled.
 
     python bench/bench_kernels.py                       # float32, 1 and 8 rows
-    python bench/bench_kernels.py --dtype int8 bfloat16
+    python bench/bench_kernels.py --dtype int8 int8/bfloat16 bfloat16   # weights/rows: int8 weights, bf16 rows
 
 A GPT-2-small-shaped step (12 x 768, 4 kv heads, SwiGLU, vocab 50304) multiplies 85 weights by one row per sample:
 each candidate runs all of them once (each weight its own tensor, so they are read from memory as a step reads
-them), best of 5 after a first call; ms for the 85 products. int8 weights are multiplied by float32 rows, as
-quantize.py's weight-only layers are. What kernels.py measures on a model, here for the record (bench/RESULTS.md).
+them), best of 5 after a first call; ms for the 85 products. int8 weights are multiplied by float32 rows unless
+another dtype is named after a slash (quantize.py's weight-only layers compute in the model's dtype). What kernels.py measures on a model, here for the record (bench/RESULTS.md).
 """
 
 import argparse
@@ -42,16 +42,17 @@ def best_ms(run, repeats=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", nargs="+", default=["float32"], help="float32, bfloat16, float16, int8")
+    parser.add_argument("--dtype", nargs="+", default=["float32"], help="float32, bfloat16, float16, int8[/rows' dtype]")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     args = parser.parse_args()
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; ms for the 85 products of a step")
     torch.manual_seed(0)
     for name in args.dtype:
-        dtype = getattr(torch, name)
+        dtype, _, rows_dtype = name.partition("/")
+        dtype = getattr(torch, dtype)
         weights = [(torch.randn(o, i) * (40 if dtype == torch.int8 else 1)).to(dtype) for o, i in SHAPES]
-        activation = torch.float32 if dtype == torch.int8 else dtype
+        activation = getattr(torch, rows_dtype) if rows_dtype else torch.float32 if dtype == torch.int8 else dtype
         for rows in args.rows:
             inputs = [torch.randn(rows, w.size(1), dtype=activation) for w in weights]
             figures = []
@@ -67,6 +68,7 @@ def main():
                         figures.append(f"{kernel_name}{' compiled' if compiled else ''} n/a ({str(e)[:40]})")
                         continue
                     figures.append(f"{kernel_name}{' compiled' if compiled else ''} {ms:.1f}")
+            kernels.packed_weights.clear()
             print(f"  {name:8s} {rows} row{'s' if rows > 1 else ' '}: " + ", ".join(figures), flush=True)
 
 

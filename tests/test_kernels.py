@@ -36,28 +36,44 @@ def linears_of(model):
     return [m for m in model.modules() if kernels.is_decode_linear(m)]
 
 
-@pytest.mark.parametrize("name", list(kernels.KERNELS))
+INT8_ONLY, FLOAT_ONLY = ("int8pack",), ("onednn-packed",)  # the kernels that take one kind of weight
+ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
+
+
+@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_kernel_computes_the_linear_layers_product_in_the_inputs_shape(name, rows, bias):
     torch.manual_seed(0)
     layer, x = nn.Linear(48, 80, bias=bias), torch.randn(rows, 1, 48)
     if name not in kernels.usable_kernels(layer, rows, compiled=True):
-        assert name == "onednn" and not torch.backends.mkldnn.is_available()  # the one a build may lack
+        assert name in ONEDNN and not torch.backends.mkldnn.is_available()
         return
     actual = kernels.KERNELS[name](x, layer.weight, layer.bias)
     assert actual.shape == (rows, 1, 80)
     torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", list(kernels.KERNELS))
-def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name):
+@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in FLOAT_ONLY])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name, dtype):
     """Weight-only int8 layers (quantize.py) hand their int8 weight to the kernel, which multiplies in x's dtype."""
     torch.manual_seed(0)
-    weight, x = torch.randint(-127, 128, (40, 32), dtype=torch.int8), torch.randn(2, 32)
+    weight, x = torch.randint(-127, 128, (40, 32), dtype=torch.int8), torch.randn(2, 1, 32, dtype=dtype)
     if name == "onednn" and not torch.backends.mkldnn.is_available():
         return
-    torch.testing.assert_close(kernels.KERNELS[name](x, weight, None), x @ weight.float().T, atol=1e-4, rtol=1e-5)
+    expected = x.double() @ weight.double().T
+    error = (kernels.KERNELS[name](x, weight, None).double() - expected).abs().max() / expected.abs().max()
+    assert error < (1e-6 if dtype == torch.float32 else 2e-2)  # as usable_kernels accepts: relative to the largest
+
+
+@pytest.mark.parametrize("name, weight_dtype", [("int8pack", torch.float32), ("onednn-packed", torch.int8)])
+def test_a_kernel_for_one_kind_of_weight_is_no_candidate_for_the_other(name, weight_dtype):
+    """int8pack is torch's int8 kernel; onednn-packed on an int8 weight would pack a float copy, more bytes to read."""
+    layer = nn.Linear(32, 24)
+    if weight_dtype == torch.int8:
+        layer = Int8WeightOnlyLinear(layer)
+    assert name not in kernels.usable_kernels(layer, 1, compiled=False)
 
 
 def test_a_kernel_that_fails_or_disagrees_is_no_candidate(monkeypatch):
@@ -239,3 +255,73 @@ def test_the_reduction_compiled_after_a_norm_computes_the_product_of_the_normed_
 
     with torch.inference_mode():
         torch.testing.assert_close(torch.compile(normed_product, dynamic=False)(x), layer(norm(x)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_packed_weights_are_packed_once_inside_the_block_and_forgotten_after_it(monkeypatch):
+    """onednn-packed packs each weight at its first product in the block, reuses it, and forgets it at the end: a
+    weight changed between two decodes (training, then sampling, in one process) is packed anew."""
+    model, one = tiny_model(), torch.randint(0, 64, (1, 1))
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "onednn-packed")
+    with torch.no_grad():
+        with kernels.decode_linears(model, rows=1):
+            model(one)
+            packed = dict(kernels.packed_weights)
+            assert len(packed) == 8  # q, k, v, o, gate, up, down and the head
+            model(one)
+            assert kernels.packed_weights == packed  # the same copies, not packed again
+        assert kernels.packed_weights == {}
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+        expected = model(one)[0]
+        with kernels.decode_linears(model, rows=1):
+            torch.testing.assert_close(model(one)[0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+def test_the_packed_kernel_compiled_finds_its_packed_weight_at_run_time(monkeypatch):
+    """Compiled, the packed product is an op inductor calls as it is; it looks the packed copy up when it runs."""
+    model, one = tiny_model(), torch.randint(0, 64, (1, 1))
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "onednn-packed")
+    with torch.inference_mode():
+        expected = model(one)[0]
+        with kernels.decode_linears(model, rows=1, compiled=True):
+            torch.testing.assert_close(torch.compile(model, dynamic=False)(one)[0], expected, atol=1e-5, rtol=1e-5)
+            assert len(kernels.packed_weights) == 8
+
+
+def test_int8pack_compiled_gives_torchs_int8_product():
+    torch.manual_seed(0)
+    layer = Int8WeightOnlyLinear(nn.Linear(64, 48).to(torch.bfloat16))
+    x = torch.randn(3, 1, 64, dtype=torch.bfloat16)
+
+    def scaled_product(x):
+        return kernels.int8pack_linear(x, layer.weight, None) * layer.scales + layer.bias  # as decode_linear does
+
+    with torch.inference_mode():
+        actual = torch.compile(scaled_product, dynamic=False)(x)
+    expected = F.linear(x.double(), layer.dequantized_weight().double(), layer.bias.double())
+    torch.testing.assert_close(actual.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_no_room_for_a_second_copy_of_the_weights_rules_out_packing(monkeypatch, cache):
+    """Packing copies every weight: where half the free memory cannot hold the copy, the packed kernel is neither
+    measured nor trusted from kernels.json."""
+    model = tiny_model()
+    measured = []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(candidates)
+                        or candidates[-1])
+    monkeypatch.setattr(os, "sysconf", lambda name: 4 if name == "SC_PAGE_SIZE" else 1000)  # 4 KB free
+    key = kernels.choice_key(linears_of(model), 1, False)
+    cache.mkdir()
+    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "onednn-packed"}}))
+    assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) != "onednn-packed"
+    assert measured and "onednn-packed" not in measured[0]
+
+
+def test_a_choice_for_int8_weights_is_kept_per_dtype_of_the_rows():
+    """int8 weights times float32 rows and times bfloat16 rows run different kernels best (int8pack is fast for
+    bfloat16 rows only): one choice must not stand for the other."""
+    float32_rows = Int8WeightOnlyLinear(nn.Linear(32, 24))
+    bfloat16_rows = Int8WeightOnlyLinear(nn.Linear(32, 24).to(torch.bfloat16))
+    assert kernels.choice_key([float32_rows], 1, False) != kernels.choice_key([bfloat16_rows], 1, False)
