@@ -205,3 +205,40 @@ def test_compiled_steps_of_models_of_the_same_shapes_each_decode_their_own_text(
     torch._dynamo.reset()
     assert texts[0, False] != texts[2, False]  # the window changes the text: the test can tell the graphs apart
     assert texts[0, True] == texts[0, False] and texts[2, True] == texts[2, False]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The attention kernel of a CPU decode step
+
+
+def attention_ops_of_a_decode_step(dtype):
+    """The aten attention ops one decode_step of a tiny model in dtype runs on the CPU, and its logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "attention" in func.__name__ or "softmax" in func.__name__:
+                self.ops.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    model = random_gpt(0, 0.5).to(dtype)
+    cache = model.new_kv_cache(1, 16, static=True)
+    with torch.no_grad():
+        model.hidden_states(torch.tensor([[1, 2, 3]]), cache, torch.arange(3))
+        with Recording() as recording:
+            logits = engine.decode_step(model, torch.tensor([[4]]), cache, torch.tensor([3]))
+    return recording.ops, logits
+
+
+def test_a_float16_cpu_decode_step_runs_sdpas_math_kernel_and_the_same_attention():
+    """torch's CPU flash kernel is slow in float16 (engine.decode_attention): the step runs SDPA's math kernel
+    there, and computes what the flash kernel does; float32 keeps the flash kernel."""
+    ops, logits = attention_ops_of_a_decode_step(torch.float16)
+    assert not any("flash" in op for op in ops) and any("softmax" in op for op in ops)  # the formula, op by op
+    float32_ops, float32_logits = attention_ops_of_a_decode_step(torch.float32)
+    assert any("flash" in op for op in float32_ops)
+    torch.testing.assert_close(logits.float(), float32_logits, atol=2e-2, rtol=2e-2)
