@@ -7,6 +7,8 @@ The decoding engine: from a prompt's token ids to new tokens, fast, for sample.p
   from the last block_size // 2 tokens). With compile, the step is torch.compiled once over a static cache.
 - decode_speculative: a smaller draft model proposes draft_k tokens, the model checks them in one forward
   pass, and the output follows the model's own distribution exactly.
+- decode_lookup: the same with the context as the draft (prompt lookup): what followed the last tokens where
+  they occurred before; its text is plain decoding's, greedy or sampled, in fewer forward passes where text repeats.
 - Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
 - On a CPU every decode step's matrix products run the kernel measured fastest on the machine (kernels.py).
 
@@ -109,6 +111,13 @@ def decode_attention(model):
     return contextlib.nullcontext()
 
 
+def chunk_logits(model, tokens, cache, input_pos):
+    """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: a speculative
+    step's check of T - 1 proposed tokens, the same shapes every step."""
+    with decode_attention(model):
+        return model.lm_head(model.hidden_states(tokens, cache, input_pos))
+
+
 def last_logits(model, tokens, cache):
     """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T)."""
     if cache is None:
@@ -130,12 +139,13 @@ COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <
 COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
 
 
-def compile_decode_step(device):
-    """decode_step compiled for one decode_batch call. Its guards skip the model's modules: checking them before
-    every step cost ~0.7 ms of a 4-11 ms CPU step (GPT-2-small). Safe because the model does not change during one
-    call, and no other call can reuse this one's compiled code: dynamo keeps compiled code per code object, and this
-    one is a copy of decode_step's own (another model of the same shapes would pass the guards that are left)."""
-    step = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
+def compile_decode_step(device, step=decode_step):
+    """step (decode_step, or chunk_logits) compiled for one decoding call. Its guards skip the model's modules:
+    checking them before every step cost ~0.7 ms of a 4-11 ms CPU step (GPT-2-small). Safe because the model does
+    not change during one call, and no other call can reuse this one's compiled code: dynamo keeps compiled code per
+    code object, and this one is a copy of step's own (another model of the same shapes would pass the guards that
+    are left)."""
+    step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__)
     options = {**(CUDA_COMPILE_OPTIONS if device.type == "cuda" else {}),
                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # a new dict: compile pops it
     return torch.compile(step, fullgraph=True, dynamic=False, options=options)
@@ -291,6 +301,82 @@ def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
                 if samples.add(sample, token):
                     ended = True
                     break
+        if sample == 0 and samples.stream:
+            sys.stdout.flush()
+    return n_accepted, n_proposed
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompt lookup: speculative decoding whose draft is the context itself
+
+
+LOOKUP_NGRAM = 3  # the longest run of the last tokens looked up in the context; then shorter, down to 1
+
+
+def lookup_proposal(tokens, k):
+    """Up to k tokens to propose after tokens (a list): those that followed the latest earlier occurrence of its last
+    n tokens (n from LOOKUP_NGRAM down to 1) with k tokens after it, else the latest; [] where they occur nowhere
+    earlier. A draft with no model (prompt lookup, as in Hugging Face's and llama.cpp's): it pays where a text repeats
+    what it has read (a quote, code being edited, names, a list), and costs a lookup where it does not."""
+    context = torch.tensor(tokens)
+    for n in range(min(LOOKUP_NGRAM, len(tokens) - 1), 0, -1):
+        runs = context[:-1].unfold(0, n, 1)  # (len - n, n): every run of n tokens that has a token after it
+        afters = (runs == context[-n:]).all(dim=1).nonzero()[:, 0] + n  # where each match's continuation starts
+        if len(afters):
+            whole = afters[afters + k <= len(tokens)]  # matches followed by k tokens, as a loop of one token is not
+            after = int(whole[-1] if len(whole) else afters[-1])
+            return tokens[after:after + k]
+    return []
+
+
+@torch.inference_mode()
+def decode_lookup(model, prompt_ids, settings, samples, generator):
+    """Decode each sample in turn, lookup_proposal's tokens checked by the model in one pass per step (see
+    lookup_loop); returns (accepted, proposed) counts."""
+    compiled = settings["compile"]
+    with decode_linears(model, settings["draft_k"] + 1, compiled=compiled):
+        return lookup_loop(model, prompt_ids, settings, samples, generator)
+
+
+def lookup_loop(model, prompt_ids, settings, samples, generator):
+    """decode_lookup's steps. Each step feeds the last token and the proposal (padded to draft_k: one shape to
+    compile) and draws the model's token at each position, as plain decoding draws it (one sample_next_token each,
+    in order); it keeps going while the drawn token is the proposed one. So the text is plain decoding's, greedy
+    or sampled, up to float rounding: only the number of forward passes changes. A step with nothing proposed feeds
+    the last token alone (a second compiled shape)."""
+    k, block_size, device = settings["draft_k"], model.config.block_size, device_of(model)
+    vocab_size = samples.tokenizer.vocab_size
+    step = chunk_logits
+    if settings["compile"]:
+        use_compile_cache()
+        step = compile_decode_step(device, chunk_logits)
+    longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_loop sizes it
+    max_len = min(block_size, -(-longest // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
+    n_accepted = n_proposed = 0
+    for sample in range(settings["num_samples"]):
+        tokens, n_new, ended, cache = list(prompt_ids), 0, False, None
+        while n_new < settings["max_new_tokens"] and not ended:
+            if cache is None or cache.pos == block_size:  # start, or slide the window where decode_loop does
+                tokens = tokens if cache is None else tokens[-(block_size // 2):]
+                cache, _ = prefill(model, torch.tensor([tokens], device=device), max_len, static=True)
+                if settings["compile"]:
+                    torch._dynamo.mark_static_address(cache.k)
+                    torch._dynamo.mark_static_address(cache.v)
+            proposal = lookup_proposal(tokens, k) if cache.pos + k < max_len else []  # no room: one token
+            chunk = tokens[-1:] + proposal + proposal[-1:] * (k - len(proposal))  # (1 or k + 1,)
+            input_pos = torch.arange(cache.pos, cache.pos + len(chunk), device=device)
+            logits = step(model, torch.tensor([chunk], device=device), cache, input_pos)[0]  # (len(chunk), V)
+            for i in range(len(proposal) + 1):
+                token = int(sample_next_token(logits[i:i + 1, :vocab_size], settings["temperature"], settings["top_k"],
+                                              settings["top_p"], generator))
+                tokens.append(token)
+                n_new += 1
+                ended = samples.add(sample, token)
+                if ended or n_new == settings["max_new_tokens"] or i == len(proposal) or token != proposal[i]:
+                    break
+                n_accepted += 1
+            n_proposed += len(proposal)
+            cache.pos += i + 1  # the cache keeps the chunk's first i + 1 tokens: the last one and i accepted ones
         if sample == 0 and samples.stream:
             sys.stdout.flush()
     return n_accepted, n_proposed

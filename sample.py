@@ -6,6 +6,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt FILE:prompt.txt                 # or --prompt - to read it from stdin
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
                                                               # (python train.py config/small_draft.py trains it)
+    python sample.py --prompt FILE:code.py --draft=lookup     # speculative, the context as the draft (prompt lookup)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (once per machine)
     python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest (docs/sampling.md)
@@ -27,7 +28,7 @@ import torch
 from checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
                         train_command)
 from configurator import ConfigError, configure
-from engine import Samples, compiles_by_default, decode_batch, decode_speculative
+from engine import Samples, compiles_by_default, decode_batch, decode_lookup, decode_speculative
 from kernels import cache_dir
 from model import check_sampling
 from quantize import QuantizeError, check_quantize, quantize
@@ -50,9 +51,11 @@ DEFAULTS = dict(
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (static cache shapes; compiled code is kept: kernels.cache_dir());
     # None: on a CPU where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not
-    draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding
+    draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding;
+    # "lookup": the context is the draft (what followed the last tokens where they occurred before; no model)
     draft_k=4,  # tokens the draft proposes per step
 )
+LOOKUP = "lookup"  # draft=lookup
 DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
 SEPARATOR = "\n" + "-" * 40 + "\n"
 WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
@@ -118,14 +121,15 @@ def main(argv):
     model, meta, dataset = load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"],
                                     device, dtype)
     quantize(model, settings["quantize"])
-    if settings["compile"] is None:  # speculative and uncached decoding compile nothing
-        settings["compile"] = not settings["draft"] and not settings["no_kv_cache"] and compiles_by_default(model)
+    if settings["compile"] is None:  # speculative decoding with a draft model, and uncached decoding, compile nothing
+        settings["compile"] = (settings["draft"] in ("", LOOKUP) and not settings["no_kv_cache"]
+                               and compiles_by_default(model))
         if settings["compile"]:
             print(f"note: compiling the decode step, kept in {cache_dir()}: slow only in a machine's first run "
                   f"(--compile=False skips it)", file=sys.stderr)
     tokenizer = Tokenizer(meta)
     draft = None
-    if settings["draft"]:
+    if settings["draft"] and settings["draft"] != LOOKUP:
         check_draft_exists(settings["draft"], dataset)
         draft, draft_meta = load_model(settings["draft"], device, dtype)
         if draft_meta != meta:
@@ -154,7 +158,9 @@ def main(argv):
     samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
     print(prompt, end="", flush=True)
     start = time.perf_counter()
-    if draft is None:
+    if settings["draft"] == LOOKUP:
+        n_accepted, n_proposed = decode_lookup(model, prompt_ids, settings, samples, generator)
+    elif draft is None:
         decode_batch(model, prompt_ids, settings, samples, generator)
     else:
         n_accepted, n_proposed = decode_speculative(model, draft, prompt_ids, settings, samples, generator)
@@ -166,7 +172,7 @@ def main(argv):
     warmup = WARMUP_TOKENS * settings["num_samples"]
     steady = samples.tokens_per_second_after(warmup)
     speed += f"; {steady:.1f} after the first {warmup})" if steady else ")"
-    if draft is not None:
+    if settings["draft"]:
         speed += f", draft acceptance rate {n_accepted / max(1, n_proposed):.1%} ({n_accepted}/{n_proposed})"
     print(speed, file=sys.stderr)
 

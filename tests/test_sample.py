@@ -309,6 +309,50 @@ def test_speculative_sampling_is_reproducible_and_complete(ckpts, capsys):
     assert run(capsys, *args, "--seed=6").out != first
 
 
+# ----------------------------------------------------------------------------------------------------
+# Prompt lookup (--draft=lookup), end to end
+
+
+@pytest.mark.parametrize("draft_k", [1, 4])
+def test_lookup_greedy_equals_plain_greedy_token_for_token(ckpts, capsys, draft_k):
+    n = 2 * BLOCK + 9  # past block_size: the window slides where plain decoding slides it
+    plain = greedy(capsys, ckpts, PROMPT, n).out
+    lookup = greedy(capsys, ckpts, PROMPT, n, "--draft=lookup", f"--draft_k={draft_k}")
+    assert lookup.out == plain
+    rate, accepted, proposed = ACCEPTANCE.search(lookup.err).groups()
+    assert 0 < int(accepted) < int(proposed)  # proposals were checked, some kept and some not: both paths ran
+
+
+def test_lookup_sampling_draws_what_plain_sampling_draws(ckpts, capsys):
+    """One sample_next_token per kept token, in order, from the same logits (up to rounding): with one sample, the
+    same seed gives plain decoding's text."""
+    args = [f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--max_new_tokens=100", "--temperature=1.0",
+            "--seed=5"]
+    plain = run(capsys, *args).out
+    assert run(capsys, *args, "--draft=lookup").out == plain
+    assert run(capsys, *args[:-1], "--seed=6", "--draft=lookup").out != plain
+
+
+def test_compiled_lookup_equals_eager_and_compiles_two_shapes_once(ckpts, capsys, monkeypatch):
+    """Compiled, a step feeds either the last token alone or it and draft_k proposed (padded): two graphs for the
+    whole run, the window's slides included."""
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs, **kwargs):
+        graphs.append(graph_module)
+        return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
+
+    torch_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(
+        fn, **({**kwargs, "backend": counting_backend} if fn.__name__ == "chunk_logits" else kwargs)))
+    torch._dynamo.reset()
+    n = 2 * BLOCK + 9
+    eager = greedy(capsys, ckpts, PROMPT, n, "--draft=lookup").out
+    assert greedy(capsys, ckpts, PROMPT, n, "--draft=lookup", "--compile=True").out == eager
+    assert len(graphs) == 2
+    torch._dynamo.reset()
+
+
 def test_a_prompt_too_long_for_the_draft_is_a_one_line_error(ckpts, capsys, monkeypatch):
     """The draft reads at most 16 tokens: a 40-token prompt fits the target, not the draft."""
     prompt = (PROMPT * 10)[:40]
