@@ -268,7 +268,7 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
 
 def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
     """Decode each sample in turn with speculative steps; returns (accepted, proposed) counts."""
-    with decode_linears(target, settings["draft_k"] + 1), decode_linears(draft, 1):
+    with decode_linears(target, (settings["draft_k"] + 1, 1)), decode_linears(draft, 1):
         return speculative_loop(target, draft, prompt_ids, settings, samples, generator)
 
 
@@ -310,23 +310,28 @@ def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
 # Prompt lookup: speculative decoding whose draft is the context itself
 
 
-LOOKUP_NGRAM = 3  # the longest run of the last tokens looked up in the context; then shorter, down to 1
+# How many of the last tokens must have occurred before for their continuation to be proposed. Fewer propose more
+# often and are kept less: on config/small.py's characters, 1 or 2 made more checks than tokens they saved at
+# temperature 0.8, and 3 kept the most per step greedy too (bench/bench_lookup.py; bench/RESULTS.md).
+LOOKUP_NGRAM = 3
 
 
 def lookup_proposal(tokens, k):
     """Up to k tokens to propose after tokens (a list): those that followed the latest earlier occurrence of its last
-    n tokens (n from LOOKUP_NGRAM down to 1) with k tokens after it, else the latest; [] where they occur nowhere
-    earlier. A draft with no model (prompt lookup, as in Hugging Face's and llama.cpp's): it pays where a text repeats
-    what it has read (a quote, code being edited, names, a list), and costs a lookup where it does not."""
+    LOOKUP_NGRAM tokens with k tokens after it, else the latest; [] where they occur nowhere earlier. A draft with no
+    model (prompt lookup, as in Hugging Face's and llama.cpp's): it pays where a text repeats what it has read (a
+    quote, code being edited, names, a list), and costs a lookup where it does not."""
+    n = LOOKUP_NGRAM
+    if len(tokens) <= n:
+        return []
     context = torch.tensor(tokens)
-    for n in range(min(LOOKUP_NGRAM, len(tokens) - 1), 0, -1):
-        runs = context[:-1].unfold(0, n, 1)  # (len - n, n): every run of n tokens that has a token after it
-        afters = (runs == context[-n:]).all(dim=1).nonzero()[:, 0] + n  # where each match's continuation starts
-        if len(afters):
-            whole = afters[afters + k <= len(tokens)]  # matches followed by k tokens, as a loop of one token is not
-            after = int(whole[-1] if len(whole) else afters[-1])
-            return tokens[after:after + k]
-    return []
+    runs = context[:-1].unfold(0, n, 1)  # (len - n, n): every run of n tokens that has a token after it
+    afters = (runs == context[-n:]).all(dim=1).nonzero()[:, 0] + n  # where each match's continuation starts
+    if not len(afters):
+        return []
+    whole = afters[afters + k <= len(tokens)]  # matches followed by k tokens, as a loop of one token is not
+    after = int(whole[-1] if len(whole) else afters[-1])
+    return tokens[after:after + k]
 
 
 @torch.inference_mode()
@@ -334,7 +339,7 @@ def decode_lookup(model, prompt_ids, settings, samples, generator):
     """Decode each sample in turn, lookup_proposal's tokens checked by the model in one pass per step (see
     lookup_loop); returns (accepted, proposed) counts."""
     compiled = settings["compile"]
-    with decode_linears(model, settings["draft_k"] + 1, compiled=compiled):
+    with decode_linears(model, (settings["draft_k"] + 1, 1), compiled=compiled):
         return lookup_loop(model, prompt_ids, settings, samples, generator)
 
 
@@ -353,6 +358,7 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
     longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_loop sizes it
     max_len = min(block_size, -(-longest // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
     n_accepted = n_proposed = 0
+    unwarmed = settings["compile"]
     for sample in range(settings["num_samples"]):
         tokens, n_new, ended, cache = list(prompt_ids), 0, False, None
         while n_new < settings["max_new_tokens"] and not ended:
@@ -362,6 +368,11 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
                 if settings["compile"]:
                     torch._dynamo.mark_static_address(cache.k)
                     torch._dynamo.mark_static_address(cache.v)
+            if unwarmed and cache.pos + k < max_len:  # compile the k + 1 shape before the first token is out, not
+                # at the first proposal (a stall of seconds); what it writes past cache.pos is masked, then overwritten
+                step(model, torch.tensor([tokens[-1:] * (k + 1)], device=device), cache,
+                     torch.arange(cache.pos, cache.pos + k + 1, device=device))
+                unwarmed = False
             proposal = lookup_proposal(tokens, k) if cache.pos + k < max_len else []  # no room: one token
             chunk = tokens[-1:] + proposal + proposal[-1:] * (k - len(proposal))  # (1 or k + 1,)
             input_pos = torch.arange(cache.pos, cache.pos + len(chunk), device=device)

@@ -290,10 +290,13 @@ def fastest_kernel(layers, rows, compiled):
     return choices[key]
 
 
-def decode_linear(layer, kernel, x):
-    """layer(x) through the kernel named kernel for a decode-sized x (a COMPILED_ONLY one only while compiling); a
-    weight-only int8 layer's rows are scaled after the product."""
-    if x.numel() > DECODE_ROWS * x.size(-1) or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
+def decode_linear(layer, chosen, x):
+    """layer(x) through the kernel chosen (a dict: rows -> kernel name) for x's row count, else for the most rows
+    measured, if x is decode-sized (a COMPILED_ONLY kernel only while compiling); a weight-only int8 layer's rows
+    are scaled after the product."""
+    n_rows = x.numel() // x.size(-1)
+    kernel = chosen.get(n_rows, chosen[max(chosen)])
+    if n_rows > DECODE_ROWS or kernel == "torch" or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
         return type(layer).forward(layer, x)  # a prefill (more rows than were measured), or an eager step
     if not hasattr(layer, "scales"):
         return KERNELS[kernel](x, layer.weight, layer.bias)
@@ -309,12 +312,14 @@ def is_decode_linear(module):
 @contextlib.contextmanager
 def decode_linears(model, rows, compiled=False):
     """While in the block, every linear layer of a CPU model multiplies decode-sized inputs (up to DECODE_ROWS rows)
-    with the kernel measured fastest for the model's linears at `rows` rows, compiled or not. Elsewhere (GPUs)
-    nothing changes."""
+    with the kernel measured fastest for the model's linears at `rows` rows, compiled or not; rows may list several
+    counts (a speculative step's check and its one-token steps: (draft_k + 1, 1)), each with its own kernel. Elsewhere
+    (GPUs) nothing changes."""
     linears = [m for m in model.modules() if is_decode_linear(m)]
-    kernel = fastest_kernel(linears, min(rows, DECODE_ROWS), compiled) if linears else "torch"
-    for layer in linears if kernel != "torch" else []:
-        layer.forward = functools.partial(decode_linear, layer, kernel)  # this instance only
+    counts = {min(n, DECODE_ROWS) for n in ((rows,) if isinstance(rows, int) else rows)}
+    chosen = {n: fastest_kernel(linears, n, compiled) for n in sorted(counts)} if linears else {}
+    for layer in linears if set(chosen.values()) - {"torch"} else []:
+        layer.forward = functools.partial(decode_linear, layer, chosen)  # this instance only
     try:
         yield
     finally:

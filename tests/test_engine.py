@@ -250,12 +250,12 @@ def test_a_float16_cpu_decode_step_runs_sdpas_math_kernel_and_the_same_attention
 
 @pytest.mark.parametrize("tokens, k, expected", [
     ([1, 2, 3, 9, 1, 2, 3], 4, [9, 1, 2, 3]),  # the last 3 tokens occurred before: what followed them
-    ([1, 2, 3, 9, 5, 2, 3], 4, [9, 5, 2, 3]),  # only the last 2 did
-    ([4, 2, 7, 4, 2, 8, 4, 2], 2, [8, 4]),  # the latest earlier occurrence
-    ([4, 2, 7, 1, 4, 2, 8, 4, 2], 4, [7, 1, 4, 2]),  # ... that has k tokens after it
-    ([5, 5, 5, 5, 5, 5], 3, [5, 5, 5]),  # a loop of one token: not the one-token continuation just before
+    ([1, 2, 3, 9, 5, 2, 3], 4, []),  # only the last 2 did
+    ([6, 4, 2, 7, 6, 4, 2, 8, 6, 4, 2], 2, [8, 6]),  # the latest earlier occurrence
+    ([6, 4, 2, 7, 1, 6, 4, 2, 6, 4, 2], 4, [7, 1, 6, 4]),  # ... that has k tokens after it
+    ([5, 5, 5, 5, 5, 5], 3, [5, 5, 5]),  # a loop of one token: k tokens, not the one token just before
     ([1, 2, 3, 4], 2, []),  # nothing recurs
-    ([7], 3, []),
+    ([7, 7, 7], 3, []),  # too short to recur
 ])
 def test_lookup_proposes_what_followed_the_last_tokens_earlier(tokens, k, expected):
     assert engine.lookup_proposal(tokens, k) == expected

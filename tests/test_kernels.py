@@ -325,3 +325,21 @@ def test_a_choice_for_int8_weights_is_kept_per_dtype_of_the_rows():
     float32_rows = Int8WeightOnlyLinear(nn.Linear(32, 24))
     bfloat16_rows = Int8WeightOnlyLinear(nn.Linear(32, 24).to(torch.bfloat16))
     assert kernels.choice_key([float32_rows], 1, False) != kernels.choice_key([bfloat16_rows], 1, False)
+
+
+def test_each_row_count_listed_runs_its_own_choice_and_others_the_largest_ones(monkeypatch):
+    """A speculative step's check (draft_k + 1 rows) and its one-token steps may each be fastest with another kernel."""
+    model, calls = tiny_model(), []
+
+    def recording(name):
+        def kernel(x, weight, bias):
+            calls.append((name, x.numel() // x.size(-1)))
+            return F.linear(x, weight, bias)
+        return kernel
+
+    monkeypatch.setattr(kernels, "KERNELS", {name: recording(name) for name in ("torch", "onednn", "matrix-vector")})
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: {1: "matrix-vector", 5: "onednn"}[rows])
+    with torch.no_grad(), kernels.decode_linears(model, rows=(5, 1)):
+        for rows in (1, 5, 3):
+            model(torch.randint(0, 64, (1, rows)))
+    assert calls == [("matrix-vector", 1)] * 8 + [("onednn", 5)] * 8 + [("onednn", 3)] * 8
