@@ -60,7 +60,7 @@ def step_costs(target, mode, k):
     model = quantize(load_model(target, dtype=dtype)[0], scheme)
     kernels.use_compile_cache()
     costs = []
-    with torch.inference_mode(), kernels.decode_linears(model, k + 1, compiled=True):
+    with torch.inference_mode(), kernels.decode_linears(model, (k + 1, 1), compiled=True):  # as decode_lookup
         step = engine.compile_decode_step(torch.device("cpu"), engine.chunk_logits)
         cache, _ = engine.prefill(model, torch.randint(0, 1000, (1, 64)), 256, static=True)
         for n in (1, k + 1):
