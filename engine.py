@@ -96,8 +96,7 @@ def prefill(model, contexts, max_len, static=False):
 def decode_step(model, tokens, cache, input_pos):
     """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache: the same
     shapes every step, so torch.compile compiles it once. The caller advances cache.pos."""
-    with decode_attention(model):
-        return model.lm_head(model.hidden_states(tokens, cache, input_pos)[:, -1])
+    return chunk_logits(model, tokens, cache, input_pos)[:, -1]
 
 
 def decode_attention(model):
@@ -112,8 +111,8 @@ def decode_attention(model):
 
 
 def chunk_logits(model, tokens, cache, input_pos):
-    """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: a speculative
-    step's check of T - 1 proposed tokens, the same shapes every step."""
+    """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: one token for
+    decode_step, or a speculative step's check of T - 1 proposed tokens, the same shapes every step."""
     with decode_attention(model):
         return model.lm_head(model.hidden_states(tokens, cache, input_pos))
 
@@ -338,8 +337,7 @@ def lookup_proposal(tokens, k):
 def decode_lookup(model, prompt_ids, settings, samples, generator):
     """Decode each sample in turn, lookup_proposal's tokens checked by the model in one pass per step (see
     lookup_loop); returns (accepted, proposed) counts."""
-    compiled = settings["compile"]
-    with decode_linears(model, (settings["draft_k"] + 1, 1), compiled=compiled):
+    with decode_linears(model, (settings["draft_k"] + 1, 1), compiled=settings["compile"]):
         return lookup_loop(model, prompt_ids, settings, samples, generator)
 
 
