@@ -46,7 +46,7 @@ DEFAULTS = dict(
     out_json="",  # also write the results to this JSON file
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": score the model with int8 weights, as sample.py --quantize=int8 decodes (quantize.py)
+    quantize=None,  # "int8" or "w8a8": score the model as sample.py --quantize=... decodes (quantize.py)
 )
 LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
 

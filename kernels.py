@@ -37,15 +37,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from files import atomic_open
-from quantize import Int8WeightOnlyLinear
+from quantize import Int8WeightOnlyLinear, W8A8Linear, quantize_rows
 
 DECODE_ROWS = 16  # inputs of at most this many rows are decode-sized (batched samples, speculative chunks)
 REPEATS = 5  # timings of each candidate, interleaved; the best is kept
 CACHE_ENV = "GPT_CACHE_DIR"  # where choices and compiled kernels are kept; default ~/.cache/gpt
 
 
-def torch_linear(x, weight, bias):  # torch's own choice: MKL's sgemm for fp32 on x86 builds, oneDNN for bf16
-    return F.linear(x, weight.to(x.dtype), bias)
+def torch_linear(x, weight, bias):
+    """torch's own choice: MKL's sgemm for fp32 on x86 builds, oneDNN for bf16; int8 rows (a W8A8Linear's) are
+    multiplied in float32, as that layer's own forward does."""
+    dtype = x.dtype if x.is_floating_point() else torch.float32
+    return F.linear(x.to(dtype), weight.to(dtype), bias)
 
 
 def opaque_when_compiled(name):
@@ -54,7 +57,8 @@ def opaque_when_compiled(name):
     the graph (torch._inductor.config.freezing), and one of them looks its weights up at run time."""
     def decorate(product):
         op = torch.library.custom_op(f"gpt::{name}", product, mutates_args=())
-        op.register_fake(lambda x, weight, bias: x.new_empty(*x.shape[:-1], weight.size(0)))
+        op.register_fake(lambda x, weight, bias: x.new_empty(  # int8 rows' sums come back as float32
+            *x.shape[:-1], weight.size(0), dtype=x.dtype if x.is_floating_point() else torch.float32))
         return functools.wraps(product)(lambda x, weight, bias: (op if torch.compiler.is_compiling() else product)(
             x, weight, bias))  # eager: without the op's dispatch
     return decorate
@@ -107,6 +111,14 @@ def reduction_linear(x, weight, bias):
 packed_weights = {}
 
 
+def packed_copy(weight, pack):
+    """pack(weight), computed once per weight while decode_linears lasts (packed_weights)."""
+    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
+    if key not in packed_weights:
+        packed_weights[key] = weight, pack(weight)
+    return packed_weights[key][1]
+
+
 @opaque_when_compiled("packed_onednn_linear")
 def packed_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """oneDNN's inner product on a copy of the weight packed once (into packed_weights) in oneDNN's own blocked
@@ -116,11 +128,33 @@ def packed_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     if not weight.is_floating_point():
         raise RuntimeError("packed oneDNN takes float weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
-    key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
-    if key not in packed_weights:  # oneDNN's layout depends on the rows it is packed for: packed for one, float32
-        # products took 1.7x as long at 1 and at 8 rows on an AMD EPYC; any of 4 to 64 did alike, so every weight the same
-        packed_weights[key] = weight, torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_ROWS)
-    y = torch.ops.mkldnn._linear_pointwise(rows, packed_weights[key][1], bias, "none", [], "")  # (M, out)
+    # oneDNN's layout depends on the rows it is packed for: packed for one, float32 products took 1.7x as long at 1
+    # and at 8 rows on an AMD EPYC; any of 4 to 64 did alike, so every weight the same
+    packed = packed_copy(weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS))
+    y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # (M, out)
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
+def int8_packed(weight):
+    """oneDNN's int8 weight packed once, with the ones and zeros it takes as the weight's scales and zero points."""
+    out_features = weight.size(0)
+    return (torch.ops.onednn.qlinear_prepack(weight, [DECODE_ROWS, weight.size(1)]), torch.ones(out_features),
+            torch.zeros(out_features, dtype=torch.int64))
+
+
+@opaque_when_compiled("onednn_int8_linear")
+def onednn_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (a W8A8Linear's, quantize_rows) and
+    int8 weights packed once: the integer sums, exact in int32, as float32 (+ bias). oneDNN takes unsigned rows: each
+    int8 row is shifted by 128 (its sign bit flipped) and oneDNN subtracts that zero point again. Signed rows ran
+    ~250x slower (a reference loop). It needs VNNI: without it (AVX2, or AVX-512 before VNNI) oneDNN's pair sums
+    saturate in int16, and the check in usable_kernels drops it (bench/RESULTS.md)."""
+    if x.dtype != torch.int8 or weight.dtype != torch.int8:
+        raise RuntimeError("oneDNN's int8 product takes int8 rows and int8 weights only")
+    rows = x.reshape(-1, x.size(-1)).view(torch.uint8) ^ 128  # (M, in), row + 128 as uint8
+    packed, ones, zeros = packed_copy(weight, int8_packed)
+    y = torch.ops.onednn.qlinear_pointwise(rows, 1.0, 128, packed, ones, zeros, bias, 1.0, 0, torch.float32, "none",
+                                           [], "")  # (M, out)
     return y.view(*x.shape[:-1], weight.size(0))
 
 
@@ -139,10 +173,26 @@ def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return y.view(*x.shape[:-1], weight.size(0))
 
 
+def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """torch's int8 x int8 product (torch._int_mm, oneDNN's on x86) for int8 rows and int8 weights as stored: the
+    integer sums as float32 (+ bias). One row: a GPT-2-small step's products in 2.1 ms on an AMD EPYC, where oneDNN's
+    packed int8 took 3.3 (a fixed ~15 us a call); 8 rows: 6.8 against 4.1. Like onednn_int8_linear it needs VNNI."""
+    if x.dtype != torch.int8 or weight.dtype != torch.int8:
+        raise RuntimeError("torch._int_mm takes int8 rows and int8 weights only")
+    rows = x.reshape(-1, x.size(-1))  # (M, in)
+    if rows.size(0) == 1:  # torch 2.13's _int_mm on a CPU misreads one row whose row stride is not its width, and
+        rows = rows.as_strided(rows.shape, (rows.size(1), 1))  # inductor may give it 0 (a size-1 dimension's)
+    y = torch._int_mm(rows, weight.T).float()  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
 KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
-           "reduction": reduction_linear, "onednn-packed": packed_onednn_linear, "int8pack": int8pack_linear}
+           "reduction": reduction_linear, "onednn-packed": packed_onednn_linear, "int8pack": int8pack_linear,
+           "onednn-int8": onednn_int8_linear, "int-mm": int_mm_linear}
 COMPILED_ONLY = ("reduction",)  # eager, it would hold x * W whole
-COPIES_WEIGHTS = ("onednn-packed",)  # a candidate only where a second copy of the weights fits (room_for_a_copy)
+COPIES_WEIGHTS = ("onednn-packed", "onednn-int8")  # candidates only where a second copy of the weights fits
 
 choices = {}  # (rows, dtype, shapes) -> kernel name, this process's; kernels.json keeps them between runs
 said = set()  # notes already printed (one line each, once per process)
@@ -205,23 +255,34 @@ def remember(key, name):
                  f"again (about a second); set {CACHE_ENV} to a writable folder to keep it")
 
 
-def activation_dtype(layer):  # a weight-only int8 layer (quantize.py) computes in its scales' dtype
+def row_dtype(layer):
+    """The dtype of the rows a kernel multiplies by the layer's weight: int8 for a W8A8Linear (quantize_rows), the
+    scales' dtype for a weight-only int8 layer (quantize.py: it computes in it), else the weight's."""
+    if isinstance(layer, W8A8Linear):
+        return torch.int8
     return layer.scales.dtype if hasattr(layer, "scales") else layer.weight.dtype
+
+
+def random_rows(layer, rows):
+    """rows random inputs of a kernel for the layer's weight, (rows, in)."""
+    if row_dtype(layer) == torch.int8:
+        return torch.randint(-127, 128, (rows, layer.in_features), dtype=torch.int8)
+    return torch.randn(rows, layer.in_features, dtype=row_dtype(layer))
 
 
 def usable_kernels(layer, rows, compiled):
     """The names of the candidates that run here on a layer's weights (its first 64 rows: a check, not a timing)
-    and give F.linear's result within float rounding."""
-    x, weight = torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)), layer.weight[:64]
+    and give F.linear's result within float rounding (int8 rows: their exact integer sums)."""
+    x, weight = random_rows(layer, rows), layer.weight[:64]
     expected = F.linear(x.double(), weight.double())
-    tolerance = 1e-4 if x.dtype == torch.float32 else 2e-2  # relative to the largest output
+    tolerance = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-4  # relative to the largest output
     usable = []
     for name, kernel in KERNELS.items():
         if name in COMPILED_ONLY and not compiled:
             continue
         try:
             y = kernel(x, weight, None)
-        except RuntimeError:  # e.g. no oneDNN in this build, or none for this dtype on this CPU
+        except (RuntimeError, AttributeError):  # e.g. no oneDNN (or its int8 ops) in this build, none for this dtype
             continue
         if y.shape == expected.shape and (y.double() - expected).abs().max() <= tolerance * expected.abs().max():
             usable.append(name)
@@ -237,7 +298,7 @@ def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
     """The name of the fastest of the candidates (names) over all layers at rows rows: each runs every layer once
     per repeat, compiled if the step will be (inductor writes some products, e.g. torch.mv, as loops of its own,
     2x faster than the library's eager; compiling takes a few seconds, once per machine)."""
-    inputs = [torch.randn(rows, layer.in_features, dtype=activation_dtype(layer)) for layer in layers]
+    inputs = [random_rows(layer, rows) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
     # each candidate compiled on its own (isolate_recompiles): dynamo keeps at most 8 graphs of one function per
@@ -268,7 +329,7 @@ def room_for_a_copy(layers):
 def choice_key(layers, rows, compiled):
     shapes = sorted({(layer.out_features, layer.in_features, layer.bias is not None) for layer in layers})
     dtypes = {str(layer.weight.dtype).removeprefix("torch."): None for layer in layers}
-    activations = {str(activation_dtype(layer)).removeprefix("torch."): None for layer in layers}
+    activations = {str(row_dtype(layer)).removeprefix("torch."): None for layer in layers}
     return (f"{'+'.join(dtypes)} weights, {'+'.join(activations)} rows: {rows}{', compiled' if compiled else ''}; "
             + ", ".join(f"{o}x{i}{'+bias' if b else ''}" for o, i, b in shapes))
 
@@ -292,12 +353,15 @@ def fastest_kernel(layers, rows, compiled):
 
 def decode_linear(layer, chosen, x):
     """layer(x) through the kernel chosen (a dict: rows -> kernel name) for x's row count, else for the most rows
-    measured, if x is decode-sized (a COMPILED_ONLY kernel only while compiling); a weight-only int8 layer's rows
-    are scaled after the product."""
+    measured, if x is decode-sized (a COMPILED_ONLY kernel only while compiling); an int8 layer's rows are scaled
+    after the product (a W8A8Linear's quantized first)."""
     n_rows = x.numel() // x.size(-1)
     kernel = chosen.get(n_rows, chosen[max(chosen)])
     if n_rows > DECODE_ROWS or kernel == "torch" or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
         return type(layer).forward(layer, x)  # a prefill (more rows than were measured), or an eager step
+    if isinstance(layer, W8A8Linear):
+        rows, row_scales = quantize_rows(x)  # int8 (..., in), float32 (..., 1)
+        return layer.scaled(KERNELS[kernel](rows, layer.weight, None), row_scales, x.dtype)
     if not hasattr(layer, "scales"):
         return KERNELS[kernel](x, layer.weight, layer.bias)
     y = KERNELS[kernel](x, layer.weight, None) * layer.scales
@@ -305,8 +369,8 @@ def decode_linear(layer, chosen, x):
 
 
 def is_decode_linear(module):
-    """A linear layer on the CPU: an nn.Linear or a weight-only int8 one (quantize.py), each with .weight (out, in)."""
-    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear)) and module.weight.device.type == "cpu"
+    """A linear layer on the CPU: an nn.Linear or an int8 one (quantize.py), each with .weight (out, in)."""
+    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear, W8A8Linear)) and module.weight.device.type == "cpu"
 
 
 @contextlib.contextmanager

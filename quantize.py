@@ -2,6 +2,7 @@
 Low-precision weights for decoding: a model's linear layers with int8 weights, for sample.py and eval.py.
 
     model = quantize(model, "int8")   # in place: every nn.Linear (the output head too) becomes an Int8WeightOnlyLinear
+    model = quantize(model, "w8a8")   # ... a W8A8Linear: int8 weights times int8 rows
 
 Batch-1 decoding reads every weight once per token, so a quarter of the bytes is up to 4x the speed. Each weight
 row (output channel) is stored as int8 with one scale (its largest magnitude / 127), and the layer computes
@@ -18,6 +19,16 @@ activations keep the model's precision, nothing of them is quantized. The same l
 - Not fbgemm's dynamic int8 (torch's quantize_dynamic, this repo's CPU form until issue 28): it quantizes the
   activations too, so its rows' results depended on how their range was pinned, and torch.compile cannot trace
   its packed weights. Compiled, the weight-only form is ~2x faster (bench/RESULTS.md).
+
+"w8a8" quantizes the activations too, each row on its own grid at run time (its largest magnitude / 127), and
+multiplies int8 by int8 with exact integer sums: llama.cpp's q8_0 does the same with a scale per 32 values. A
+one-row product reads the same int8 weights as "int8"; several rows (a batch, a speculative check) cost little more,
+where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU: on a CPU with VNNI
+(int8 dot products), oneDNN's int8 product of a GPT-2-small step took 3.6 / 3.9 / 4.2 ms at 1 / 5 / 8 rows on an
+AMD EPYC, weight-only int8's fastest 3.5 / 5.6 / 7.4 (bench/bench_kernels.py; kernels.py picks by measurement: a
+CPU without VNNI saturates oneDNN's sums, and the check drops it). Each row keeps its own scale, so a row's result
+never depends on the others in its batch (fbgemm's dynamic int8, above, took one scale per call). Its layer's own
+forward, for prefills and devices without such a kernel, multiplies the rows' integers in float32.
 The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
 """
 
@@ -26,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SCHEMES = ("int8",)
+SCHEMES = ("int8", "w8a8")
 
 
 class QuantizeError(Exception):
@@ -34,8 +45,8 @@ class QuantizeError(Exception):
 
 
 def check_quantize(scheme):
-    """Raise QuantizeError unless scheme is one this file knows (None or "" for none). Int8WeightOnlyLinear is
-    plain torch ops: it runs wherever F.linear does."""
+    """Raise QuantizeError unless scheme is one this file knows (None or "" for none). Both layers are plain torch
+    ops: they run wherever F.linear does."""
     if scheme and scheme not in SCHEMES:
         raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
 
@@ -69,6 +80,45 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
 
 
+def quantize_rows(x):
+    """x (..., in) as int8 rows, each on its own grid: (x_int8, scales (..., 1) float32) with x ~ x_int8 * scales."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (..., 1)
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+class W8A8Linear(nn.Module):
+    """A linear layer y = (x_int8 W_int8^T) * x_scale * w_scale + b: int8 weights with one scale per output row, and
+    each input row quantized to int8 at run time with its own scale (quantize_rows); the product's sums are whole
+    numbers, the scales are applied after it, and y and the bias keep the model's dtype."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()  # (out, in)
+        scales = row_scales(weight)
+        self.register_buffer("weight", torch.round(weight / scales[:, None]).to(torch.int8))
+        self.register_buffer("scales", scales)  # float32: applied to float32 sums
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        rows, row_scales = quantize_rows(x)
+        # float32 sums of int8 products are whole numbers while below 2^24: ~1000 products of 127 x 127 reach it,
+        # real rows stay far below (and a kernel's int32 sums are exact)
+        return self.scaled(F.linear(rows.float(), self.weight.float()), row_scales, x.dtype)
+
+    def scaled(self, sums, row_scales, dtype):
+        """The layer's output from the integer sums (..., out) of its rows' product (any kernel's), in dtype."""
+        y = (sums.float() * row_scales * self.scales).to(dtype)
+        return y if self.bias is None else y + self.bias
+
+    def dequantized_weight(self):
+        return self.weight.float() * self.scales[:, None]
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel and per row"
+
+
 def replace_linears(model, quantized_layer):
     """Replace every nn.Linear of model (in place) by quantized_layer(that linear)."""
     for parent in list(model.modules()):
@@ -84,4 +134,4 @@ def quantize(model, scheme):
     if not scheme:
         return model
     check_quantize(scheme)
-    return replace_linears(model, Int8WeightOnlyLinear)
+    return replace_linears(model, W8A8Linear if scheme == "w8a8" else Int8WeightOnlyLinear)

@@ -47,7 +47,8 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too); fast compiled
+    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too); fast compiled;
+    # "w8a8": the rows too, each with its own scale (llama.cpp's q8_0 kind): fast at several rows (quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (static cache shapes; compiled code is kept: kernels.cache_dir());
     # None: on a CPU where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not

@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = {
     "fp32": ("f32", {"fp32 (default)": [], "fp32 eager": ["--compile=False"]}),
     "16-bit": ("f16", {"fp16": ["--dtype=float16"], "bf16": ["--dtype=bfloat16"]}),
-    "8-bit": ("q8_0", {"int8": ["--quantize=int8"], "int8 bf16": ["--quantize=int8", "--dtype=bfloat16"]}),
+    "8-bit": ("q8_0", {"int8": ["--quantize=int8"], "int8 bf16": ["--quantize=int8", "--dtype=bfloat16"],
+                       "w8a8": ["--quantize=w8a8"]}),
 }
 STEADY = re.compile(r"([\d.]+) after the first \d+\)")
 

@@ -2,11 +2,13 @@
 
     python bench/bench_kernels.py                       # float32, 1 and 8 rows
     python bench/bench_kernels.py --dtype int8 int8/bfloat16 bfloat16   # weights/rows: int8 weights, bf16 rows
+    python bench/bench_kernels.py --dtype int8/int8 --rows 1 5 8        # int8 rows: --quantize=w8a8's products
 
 A GPT-2-small-shaped step (12 x 768, 4 kv heads, SwiGLU, vocab 50304) multiplies 85 weights by one row per sample:
 each candidate runs all of them once (each weight its own tensor, so they are read from memory as a step reads
 them), best of 5 after a first call; ms for the 85 products. int8 weights are multiplied by float32 rows unless
-another dtype is named after a slash (quantize.py's weight-only layers compute in the model's dtype). What kernels.py measures on a model, here for the record (bench/RESULTS.md).
+another dtype is named after a slash (quantize.py's weight-only layers compute in the model's dtype; int8 rows are
+w8a8's, quantized before the product). What kernels.py measures on a model, here for the record (bench/RESULTS.md).
 """
 
 import argparse
@@ -54,7 +56,8 @@ def main():
         weights = [(torch.randn(o, i) * (40 if dtype == torch.int8 else 1)).to(dtype) for o, i in SHAPES]
         activation = getattr(torch, rows_dtype) if rows_dtype else torch.float32 if dtype == torch.int8 else dtype
         for rows in args.rows:
-            inputs = [torch.randn(rows, w.size(1), dtype=activation) for w in weights]
+            inputs = [torch.randint(-127, 128, (rows, w.size(1)), dtype=torch.int8) if activation == torch.int8
+                      else torch.randn(rows, w.size(1), dtype=activation) for w in weights]
             figures = []
             for kernel_name, kernel in kernels.KERNELS.items():
                 for compiled in (False, True):

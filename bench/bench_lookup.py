@@ -29,7 +29,7 @@ from quantize import quantize
 from tokenizer import Tokenizer
 
 MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.float32, "int8"),
-         "int8 bf16": (torch.bfloat16, "int8")}
+         "int8 bf16": (torch.bfloat16, "int8"), "w8a8": (torch.float32, "w8a8")}
 PASSAGE = ("But, soft! what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n")
 
 

@@ -3,7 +3,7 @@
     python bench/bench_quality.py                                   # out-small and out-shakespeare-bpe
     python bench/bench_quality.py --out_dirs=out-gpt2-124m --max_tokens=100000
 
-Modes: float32 (the reference), bfloat16, float16 (sample.py --dtype=...) and int8 (--quantize=int8).
+Modes: float32 (the reference), bfloat16, float16 (sample.py --dtype=...), int8 and w8a8 (--quantize=...).
 - bits per byte: eval.py's figure (sliding window) on the first --max_tokens tokens of the val split.
 - greedy agreement: float32 decodes --new_tokens tokens greedily from the start of the val text (engine.decode_batch,
   as sample.py --temperature=0 does); then each mode reads that text teacher-forced and at each position predicts

@@ -13,7 +13,7 @@ it exists (so speculative acceptance means something), else random; "gpt2" is th
 which decode as fast as trained ones. Each runs a short prompt (16 tokens) and a long one (block_size minus the
 new tokens minus 32, so decoding ends near block_size), at batch 1 and 8, greedy.
 
-Modes: float32 is the "cached" row; bfloat16 and float16 are sample.py --dtype=..., int8 is --quantize=int8. Every
+Modes: float32 is the "cached" row; bfloat16 and float16 are sample.py --dtype=..., int8 and w8a8 --quantize=.... Every
 /floor ratio is to the float32 floor (a mode that reads half the bytes can reach 0.5x).
 
 Every figure is the decode phase alone: a run of N new tokens minus a run of 1, over N - 1 steps, so prefill
@@ -48,7 +48,7 @@ THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOC
 # qk_norm off: exactly the architecture of the LlamaForCausalLM it is compared with (qk_norm=True, the default,
 # is a Qwen3 and adds two small norms per layer to every step)
 GPT2_CONFIG = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=4, n_embd=768, qk_norm=False)
-MODES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8"}
+MODES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": "int8", "w8a8": "w8a8"}
 SMALL_CONFIG = dict(vocab_size=128, block_size=128, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
 
 
@@ -94,13 +94,14 @@ def memory_read(n_bytes):
 
 def in_mode(model, mode):
     """A copy of the float32 model in a decoding mode (MODES): sample.py's --dtype or --quantize."""
-    if MODES[mode] == "int8":
-        return quantize(copy.deepcopy(model), "int8")
+    if isinstance(MODES[mode], str):  # a quantize.py scheme
+        return quantize(copy.deepcopy(model), MODES[mode])
     return copy.deepcopy(model).to(MODES[mode])
 
 
 def mode_label(mode):
-    return CACHED if mode == "float32" else f"cached, {mode} (--{'quantize' if mode == 'int8' else 'dtype'}={mode})"
+    option = "quantize" if isinstance(MODES[mode], str) else "dtype"
+    return CACHED if mode == "float32" else f"cached, {mode} (--{option}={mode})"
 
 
 def timed(fn):

@@ -7,6 +7,9 @@ its block, only to decode-sized inputs, and a compiled-only kernel only while co
 
 import json
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ import torch.nn.functional as F
 
 import kernels
 from model import GPT, GPTConfig
-from quantize import Int8WeightOnlyLinear
+from quantize import Int8WeightOnlyLinear, W8A8Linear
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +40,21 @@ def linears_of(model):
 
 
 INT8_ONLY, FLOAT_ONLY = ("int8pack",), ("onednn-packed",)  # the kernels that take one kind of weight
+INT8_ROWS = ("onednn-int8", "int-mm")  # the kernels for int8 rows (a W8A8Linear's) and int8 weights only
 ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
 
 
-@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY])
+def has_vnni():
+    """Whether this CPU has int8 dot products (AVX-512 VNNI or AVX-VNNI), which oneDNN's int8 products need to be exact."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY + INT8_ROWS])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_kernel_computes_the_linear_layers_product_in_the_inputs_shape(name, rows, bias):
@@ -54,7 +68,7 @@ def test_every_kernel_computes_the_linear_layers_product_in_the_inputs_shape(nam
     torch.testing.assert_close(actual, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in FLOAT_ONLY])
+@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in FLOAT_ONLY + INT8_ROWS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name, dtype):
     """Weight-only int8 layers (quantize.py) hand their int8 weight to the kernel, which multiplies in x's dtype."""
@@ -74,6 +88,88 @@ def test_a_kernel_for_one_kind_of_weight_is_no_candidate_for_the_other(name, wei
     if weight_dtype == torch.int8:
         layer = Int8WeightOnlyLinear(layer)
     assert name not in kernels.usable_kernels(layer, 1, compiled=False)
+
+
+@pytest.mark.parametrize("name", INT8_ROWS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
+def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
+    """int8 rows times int8 weights, every sum exact, the largest ones too (rows of +-127 against a weight row of 127:
+    127 * 127 * 256 = 4.1M, where a sum of int8 pairs in int16 would saturate at 32767), as float32; with a bias
+    added after. On a CPU with VNNI both are candidates; without it they may not be (the next test)."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(nn.Linear(256, 80))
+    x = torch.randint(-127, 128, (rows, 1, 256), dtype=torch.int8)
+    x[0, 0], layer.weight[0] = 127, 127
+    if rows > 1:
+        x[-1, 0, :128] = -127
+    usable = kernels.usable_kernels(layer, rows, compiled=False)
+    if name not in usable:
+        assert not has_vnni(), f"{name} is no candidate on a CPU with VNNI: {usable}"
+        return
+    expected = x.double() @ layer.weight.double().T  # (rows, 1, 80)
+    actual = kernels.KERNELS[name](x, layer.weight, None)
+    assert actual.shape == (rows, 1, 80) and actual.dtype == torch.float32
+    assert torch.equal(actual.double(), expected) and actual[0, 0, 0] == 127 * 127 * 256
+    with_bias = kernels.KERNELS[name](x, layer.weight, layer.bias)
+    torch.testing.assert_close(with_bias.double(), expected + layer.bias.double(), atol=0, rtol=1e-7)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA names x86 instruction sets")
+def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
+    """oneDNN's int8 products without VNNI (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only CPU runs) sum pairs of
+    products in int16, which saturates: measured on an AMD EPYC, 127 x 127 x 768 came out as 97920. The check in
+    usable_kernels must drop both int8-rows kernels there, leaving the layer's own float32 product."""
+    script = ("import torch, torch.nn as nn, kernels; from quantize import W8A8Linear; torch.manual_seed(0); "
+              "layer = W8A8Linear(nn.Linear(768, 64)); print(kernels.usable_kernels(layer, 8, compiled=False)); "
+              "x, weight = torch.full((1, 768), 127, dtype=torch.int8), torch.full((64, 768), 127, dtype=torch.int8); "
+              "print(int(kernels.int_mm_linear(x, weight, None)[0, 0]))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    usable, saturated = result.stdout.strip().splitlines()
+    assert int(saturated) != 127 * 127 * 768  # the bug is there to be caught ...
+    assert eval(usable) == ["torch"]  # ... and only the layer's own product is left
+
+
+def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(monkeypatch):
+    """decode_linear hands a W8A8Linear's kernel the int8 rows (each on its own grid) and scales the integer sums by
+    the row's and the weight row's scales: the layer's own forward, within float rounding."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(nn.Linear(32, 24))
+    handed = []
+
+    def integer_product(x, weight, bias):
+        handed.append((x.dtype, weight.dtype, bias))
+        return F.linear(x.float(), weight.float())
+
+    monkeypatch.setattr(kernels, "KERNELS", {"torch": kernels.torch_linear, "int-mm": integer_product})
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "int-mm")
+    x = torch.randn(2, 1, 32) * torch.tensor([1e-3, 1e3])[:, None, None]  # rows far apart in size
+    with kernels.decode_linears(nn.Sequential(layer), rows=2):
+        actual = layer(x)
+    assert handed == [(torch.int8, torch.int8, None)]
+    torch.testing.assert_close(actual, type(layer).forward(layer, x), atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", INT8_ROWS)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_an_int8_rows_kernel_compiled_after_the_rows_quantization_gives_the_eager_result(name, rows):
+    """Compiled with real inductor, the rows quantized in the same graph (as a decode step does). Two bugs this
+    caught: the opaque op declared its output in its input's dtype (int8, not float32), and torch 2.13's _int_mm
+    on a CPU misreads a (1, in) input whose row stride is 0, which inductor gives a (1, 1, in) input reshaped."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(nn.Linear(64, 48, bias=False))
+    x = torch.randn(rows, 1, 64)
+    if name not in kernels.usable_kernels(layer, rows, compiled=True):
+        assert not has_vnni()
+        return
+    step = lambda x: kernels.decode_linear(layer, {rows: name}, x)  # noqa: E731
+    # inductor's cache of compiled graphs keys on the graph, not on an op's declared output: compiled afresh
+    with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
+        expected = step(x)
+        torch.testing.assert_close(torch.compile(step, dynamic=False)(x), expected, atol=1e-6, rtol=1e-6)
+    kernels.packed_weights.clear()
 
 
 def test_a_kernel_that_fails_or_disagrees_is_no_candidate(monkeypatch):
@@ -320,11 +416,13 @@ def test_no_room_for_a_second_copy_of_the_weights_rules_out_packing(monkeypatch,
 
 
 def test_a_choice_for_int8_weights_is_kept_per_dtype_of_the_rows():
-    """int8 weights times float32 rows and times bfloat16 rows run different kernels best (int8pack is fast for
-    bfloat16 rows only): one choice must not stand for the other."""
+    """int8 weights times float32 rows, bfloat16 rows and int8 rows run different kernels best (int8pack is fast for
+    bfloat16 rows only, the int8-rows kernels take int8 rows only): one choice must not stand for another."""
     float32_rows = Int8WeightOnlyLinear(nn.Linear(32, 24))
     bfloat16_rows = Int8WeightOnlyLinear(nn.Linear(32, 24).to(torch.bfloat16))
-    assert kernels.choice_key([float32_rows], 1, False) != kernels.choice_key([bfloat16_rows], 1, False)
+    int8_rows = W8A8Linear(nn.Linear(32, 24))
+    keys = {kernels.choice_key([layer], 1, False) for layer in (float32_rows, bfloat16_rows, int8_rows)}
+    assert len(keys) == 3 and any(key.startswith("int8 weights, int8 rows") for key in keys)
 
 
 def test_each_row_count_listed_runs_its_own_choice_and_others_the_largest_ones(monkeypatch):

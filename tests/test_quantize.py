@@ -32,7 +32,7 @@ import eval as evaluate
 import kernels
 import sample
 from model import GPT, GPTConfig
-from quantize import Int8WeightOnlyLinear, quantize, replace_linears
+from quantize import Int8WeightOnlyLinear, W8A8Linear, quantize, quantize_rows, replace_linears
 from test_engine import ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold, first_two_token_probs, \
     spec_models, speculative_counts
 from tokenizer import Tokenizer, char_meta
@@ -92,8 +92,8 @@ def trained(tmp_path_factory):
                 held_out_ids=tokenizer.encode(text[-HELD_OUT:]), **paths)
 
 
-def int8(model):
-    return quantize(copy.deepcopy(model), "int8")
+def int8(model, scheme="int8"):
+    return quantize(copy.deepcopy(model), scheme)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -154,6 +154,44 @@ def test_an_int8_linear_computes_each_row_independently_of_the_others():
     torch.testing.assert_close(layer(torch.cat([x, 100 * torch.randn(1, 64)]))[:1], layer(x), atol=1e-5, rtol=0)
 
 
+def test_w8a8_rows_are_quantized_each_on_its_own_grid():
+    """Rows whose magnitudes span 1e-6 to 1e3, and a zero row: each row's largest magnitude maps to 127 and every
+    value lands within half of its own row's step (one scale for all rows would zero the small ones)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 1, 64) * torch.tensor([1e-6, 1e-2, 1.0, 1e3, 0.0])[:, None, None]
+    rows, scales = quantize_rows(x)
+    assert rows.dtype == torch.int8 and rows.shape == x.shape and scales.shape == (5, 1, 1)
+    assert rows.abs().amax(dim=-1).flatten().tolist() == [127, 127, 127, 127, 0]
+    assert ((rows.float() * scales - x).abs() <= scales / 2 + 1e-6 * x.abs().amax(-1, keepdim=True)).all()
+
+
+def test_a_w8a8_linear_is_the_product_of_its_quantized_rows_and_weights_plus_its_bias(device):
+    """y = (x_int8 W_int8^T) * x_scale * w_scale + b: the dequantized rows times the dequantized weight, up to float
+    rounding (the sums themselves are whole numbers); and within the two quantizations of the float layer."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    layer, x = W8A8Linear(linear).to(device), torch.randn(5, 64)
+    assert layer.weight.dtype == torch.int8 and layer.scales.dtype == torch.float32 and layer.scales.shape == (48,)
+    rows, scales = quantize_rows(x)
+    expected = nn.functional.linear((rows.double() * scales.double()), layer.dequantized_weight().cpu().double(),
+                                    linear.bias.double())
+    actual = layer(x.to(device)).cpu()
+    torch.testing.assert_close(actual.double(), expected, atol=1e-5, rtol=1e-5)
+    error = (actual - linear(x)).abs().max() / linear(x).abs().max()
+    assert 0 < error < 0.02  # two 8-bit roundings: measured 0.006
+
+
+def test_a_w8a8_linear_keeps_the_models_dtype_and_computes_each_row_independently_of_the_others():
+    """A bfloat16 model's layer returns bfloat16. A large row in the batch leaves a small row's result exactly as it
+    was alone: each row has its own scale and integer sums do not depend on their order, which is what keeps
+    greedy speculative decoding (chunks of several rows) equal to plain greedy."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(nn.Linear(64, 32).to(torch.bfloat16))
+    assert layer(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer, x = W8A8Linear(nn.Linear(64, 32)), torch.randn(1, 64)
+    assert torch.equal(layer(torch.cat([x, 100 * torch.randn(3, 64)]))[:1], layer(x))
+
+
 @pytest.mark.parametrize("rows", [1, 8])
 def test_compiled_on_a_gpu_a_one_row_product_reads_int8_weights(rows):
     """What inductor makes of Int8WeightOnlyLinear under engine.CUDA_COMPILE_OPTIONS, traced with its own
@@ -211,7 +249,7 @@ def test_int8_kv_cache_decoding_runs_and_gives_logits_close_to_fp32(trained, mon
     ("torch" leaves the layers' own forward)."""
     model, tokenizer = trained["model"], trained["tokenizer"]
     quantized, steps, prompt = int8(model), [], tokenizer.encode(PROMPT)
-    if kernel == "onednn-packed":  # takes float weights only: an int8 model never measures it
+    if kernel in ("onednn-packed", "onednn-int8", "int-mm"):  # float weights, or int8 rows, only: never measured
         assert kernel not in kernels.usable_kernels(quantized.lm_head, n, compiled=False)
         return
     if kernel and kernel not in kernels.usable_kernels(quantized.lm_head, n, compiled=False):
@@ -236,29 +274,31 @@ def test_int8_kv_cache_decoding_runs_and_gives_logits_close_to_fp32(trained, mon
 
 @pytest.mark.parametrize("mode, tolerance", [
     ("int8", INT8_TOLERANCE),
+    ("w8a8", INT8_TOLERANCE),  # measured 0.11
     ("bfloat16", 0.15),  # measured 0.064
     ("float16", 0.03),  # measured 0.006 (0.013 on two threads)
 ])
 def test_each_mode_gives_logits_close_to_fp32(trained, mode, tolerance):
     model = trained["model"]
     inputs = torch.tensor(trained["held_out_ids"][:4 * BLOCK]).view(4, BLOCK)
-    other = int8(model) if mode == "int8" else copy.deepcopy(model).to(getattr(torch, mode))
+    other = int8(model, mode) if mode in ("int8", "w8a8") else copy.deepcopy(model).to(getattr(torch, mode))
     with torch.no_grad():
         expected, actual = model(inputs)[0], other(inputs)[0]
-    assert actual.dtype == (torch.float32 if mode == "int8" else getattr(torch, mode))
+    assert actual.dtype == (torch.float32 if mode in ("int8", "w8a8") else getattr(torch, mode))
     error = (actual.float() - expected).abs().max()
     assert 0 < error < tolerance
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean() > 0.95  # measured 0.984 (int8) to 1.0
 
 
-def test_int8_changes_the_held_out_log_likelihood_by_under_a_tenth_of_a_percent(trained, tmp_path, capsys):
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_int8_changes_the_held_out_log_likelihood_by_under_a_tenth_of_a_percent(trained, tmp_path, capsys, scheme):
     def loss(*extra):
         evaluate.main([f"--out_dir={trained['target']}", f"--text={trained['held_out']}", "--device=cpu",
                        f"--out_json={tmp_path / 'figures.json'}", *extra])
         return json.loads((tmp_path / "figures.json").read_text())["text"]["loss"]  # -mean log p, nats per token
 
-    fp32, int8_loss = loss(), loss("--quantize=int8")
-    assert 0 < abs(int8_loss / fp32 - 1) < 0.001  # measured 0.005% (fbgemm's dynamic int8: 0.04%)
+    fp32, int8_loss = loss(), loss(f"--quantize={scheme}")
+    assert 0 < abs(int8_loss / fp32 - 1) < 0.001  # measured 0.005% int8, 0.02% w8a8 (fbgemm's dynamic int8: 0.04%)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -288,7 +328,8 @@ def record_models(monkeypatch, name):
 
 @pytest.mark.parametrize("mode, head, dtype, compiled", [
     ("--quantize=int8", Int8WeightOnlyLinear, torch.float32, True),  # int8 on a CPU is compiled by default
-    ("--dtype=bfloat16", nn.Linear, torch.bfloat16, False)], ids=["int8", "bf16"])
+    ("--quantize=w8a8", W8A8Linear, torch.float32, True),
+    ("--dtype=bfloat16", nn.Linear, torch.bfloat16, False)], ids=["int8", "w8a8", "bf16"])
 def test_greedy_text_in_each_mode_is_the_same_run_to_run(trained, capsys, monkeypatch, mode, head, dtype, compiled):
     decoded = record_models(monkeypatch, "decode_batch")
     first = greedy(capsys, trained, mode).out
@@ -321,12 +362,14 @@ def test_speculative_greedy_with_an_int8_draft_is_the_fp32_targets_greedy_text(t
     assert [models for models, _ in decoded] == [fp32_target_int8_draft] * 3
 
 
-def test_speculative_greedy_with_int8_on_both_is_the_int8_targets_greedy_text(trained, capsys):
-    """The target scores the draft's k + 1 tokens in one chunk: each row must come out as it would alone. Both eager
-    (decode_speculative compiles nothing): compiled against eager is test_int8_on_a_cpu_compiles_by_default...'s."""
-    plain = greedy(capsys, trained, "--quantize=int8", "--compile=False").out
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_speculative_greedy_with_int8_on_both_is_the_int8_targets_greedy_text(trained, capsys, scheme):
+    """The target scores the draft's k + 1 tokens in one chunk: each row must come out as it would alone (w8a8: its
+    rows quantized each on its own grid). Both eager (decode_speculative compiles nothing); prompt lookup's chunks,
+    compiled, are test_w8a8_compiled...'s; compiled against eager is test_int8_on_a_cpu_compiles_by_default...'s."""
+    plain = greedy(capsys, trained, f"--quantize={scheme}", "--compile=False").out
     for draft_k in (1, 3, 7):
-        assert greedy(capsys, trained, "--quantize=int8", f"--draft={trained['draft']}",
+        assert greedy(capsys, trained, f"--quantize={scheme}", f"--draft={trained['draft']}",
                       f"--draft_k={draft_k}").out == plain, draft_k
 
 
@@ -412,6 +455,22 @@ def test_int8_on_a_cpu_compiles_by_default_with_inductor_and_decodes_what_eager_
         allocated = [prod(map(int, re.findall(r"\d+", shape))) for shape in shapes]
         assert allocated and max(allocated) < smallest, allocated
         assert "const int8_t*" in code and "extern_kernels.mm" not in code and "extern_kernels.addmm" not in code
+
+
+def test_w8a8_compiled_with_inductor_decodes_what_eager_decodes_plain_and_with_prompt_lookup(trained, capsys,
+                                                                                          monkeypatch, fresh_dynamo):
+    """sample.py --quantize=w8a8 compiles by default on a CPU. With real inductor, its greedy text (100 tokens, the
+    window sliding) must be its own --compile=False run's, and --draft=lookup's too, whose checks of draft_k + 1
+    rows run the multi-row kernel. The kernels are forced to the int8-rows ones where they are exact here (torch's
+    _int_mm for one row, oneDNN's packed product for more; what an AMD EPYC measures fastest), else the layer's own
+    product. ~20 s with a cold inductor cache."""
+    layer = int8(trained["model"], "w8a8").lm_head
+    wanted = {1: "int-mm", 5: "onednn-int8"}
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: wanted[rows] if wanted[rows] in
+                        kernels.usable_kernels(layer, rows, compiled) else "torch")
+    eager = greedy(capsys, trained, "--quantize=w8a8", "--compile=False").out
+    assert greedy(capsys, trained, "--quantize=w8a8").out == eager
+    assert greedy(capsys, trained, "--quantize=w8a8", "--draft=lookup").out == eager
 
 
 @pytest.mark.parametrize("rows", [1, 4])
