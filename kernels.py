@@ -142,20 +142,24 @@ def int8_packed(weight):
             torch.zeros(out_features, dtype=torch.int64))
 
 
-@opaque_when_compiled("onednn_int8_linear")
-def onednn_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+@opaque_when_compiled("shifted_int8_product")
+def shifted_int8_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """oneDNN's product of uint8 rows (int8 ones + 128) and int8 weights packed once, as float32 (+ bias)."""
+    packed, ones, zeros = packed_copy(weight, int8_packed)
+    y = torch.ops.onednn.qlinear_pointwise(rows.reshape(-1, rows.size(-1)), 1.0, 128, packed, ones, zeros, bias, 1.0,
+                                           0, torch.float32, "none", [], "")  # (M, out)
+    return y.view(*rows.shape[:-1], weight.size(0))
+
+
+def onednn_int8_linear(x, weight, bias):
     """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (a W8A8Linear's, quantize_rows) and
     int8 weights packed once: the integer sums, exact in int32, as float32 (+ bias). oneDNN takes unsigned rows: each
-    int8 row is shifted by 128 (its sign bit flipped) and oneDNN subtracts that zero point again. Signed rows ran
-    ~250x slower (a reference loop). It needs VNNI: without it (AVX2, or AVX-512 before VNNI) oneDNN's pair sums
-    saturate in int16, and the check in usable_kernels drops it (bench/RESULTS.md)."""
+    int8 row is shifted by 128 (its sign bit flipped; compiled, in the loop that quantizes the rows) and oneDNN
+    subtracts that zero point again. Signed rows ran ~250x slower (a reference loop). It needs VNNI: without it (AVX2,
+    or AVX-512 before VNNI) oneDNN's pair sums saturate in int16, and the check in usable_kernels drops it."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("oneDNN's int8 product takes int8 rows and int8 weights only")
-    rows = x.reshape(-1, x.size(-1)).view(torch.uint8) ^ 128  # (M, in), row + 128 as uint8
-    packed, ones, zeros = packed_copy(weight, int8_packed)
-    y = torch.ops.onednn.qlinear_pointwise(rows, 1.0, 128, packed, ones, zeros, bias, 1.0, 0, torch.float32, "none",
-                                           [], "")  # (M, out)
-    return y.view(*x.shape[:-1], weight.size(0))
+    return shifted_int8_product(x.view(torch.uint8) ^ 128, weight, bias)
 
 
 @opaque_when_compiled("int8pack_linear")
