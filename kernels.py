@@ -16,10 +16,13 @@ the logits within float rounding, never the precision (a candidate that disagree
 Two candidates take one kind of weight: oneDNN on weights packed once in its own layout (float; a second copy of
 the weights while decoding: float32 7.9 ms a GPT-2-small step's products at 1 row, 10.9 at 8, where MKL took 26 and
 41), and torch's int8 kernel (int8 weights times bfloat16 rows: 4.2 and 9.6 ms, where inductor's loop took 9.9 and
-21; AMD EPYC, bench/bench_kernels.py).
+21; AMD EPYC, bench/bench_kernels.py). Two take int8 rows (quantize.py's w8a8) times int8 weights and give the
+exact integer sums: torch._int_mm and oneDNN's int8 product on weights packed once (3.5 / 8.5 and 5.4 / 5.8 ms at
+1 / 8 rows); each row's scales are applied after, by decode_linear.
 
 The choice is kept in kernels.json under cache_dir() with the machine it was measured on (CPU model and flags,
-torch version, threads): on another machine, torch or thread count it is measured again. torch.compile's own
+torch version, threads) and the candidates: on another machine, torch or thread count, or with other candidates, it
+is measured again. torch.compile's own
 caches go there too (use_compile_cache), so that compiling is paid once per machine, not once per run.
 """
 
@@ -44,11 +47,15 @@ REPEATS = 5  # timings of each candidate, interleaved; the best is kept
 CACHE_ENV = "GPT_CACHE_DIR"  # where choices and compiled kernels are kept; default ~/.cache/gpt
 
 
-def torch_linear(x, weight, bias):
-    """torch's own choice: MKL's sgemm for fp32 on x86 builds, oneDNN for bf16; int8 rows (a W8A8Linear's) are
-    multiplied in float32, as that layer's own forward does."""
-    dtype = x.dtype if x.is_floating_point() else torch.float32
-    return F.linear(x.to(dtype), weight.to(dtype), bias)
+def float_rows(x):
+    """x as the rows a float kernel multiplies: int8 rows (a W8A8Linear's) as float32, whose products of whole
+    numbers sum exactly below 2^24 (as that layer's own forward computes them); float rows as they are."""
+    return x if x.is_floating_point() else x.float()
+
+
+def torch_linear(x, weight, bias):  # torch's own choice: MKL's sgemm for fp32 on x86 builds, oneDNN for bf16
+    x = float_rows(x)
+    return F.linear(x, weight.to(x.dtype), bias)
 
 
 def opaque_when_compiled(name):
@@ -73,7 +80,8 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 def matrix_vector_linear(x, weight, bias):
     """W @ x for one row (torch.mv), (W @ x^T)^T for more: the BLAS's matrix-vector form, or a product whose thin
     side is the input, where some BLAS stream W faster than in x @ W^T."""
-    rows, weight = x.reshape(-1, x.size(-1)), weight.to(x.dtype)  # (M, in)
+    rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
+    weight = weight.to(rows.dtype)
     y = torch.mv(weight, rows[0])[None] if rows.size(0) == 1 else (weight @ rows.T).T  # (M, out)
     if bias is not None:
         y = y + bias
@@ -96,9 +104,12 @@ def reduction_linear(x, weight, bias):
     fuses them into one loop that streams the weights once for all rows (an int8 weight's cast to x's dtype
     included). Eager it would hold x * W whole, so it is a candidate only compiled. Several rows are computed first:
     inductor would otherwise fuse the ops that make them (a norm) into the loop and redo them for every weight, 3x
-    slower at 8 rows (a whole int8 step 40 -> 15 ms on an AMD EPYC); one row is faster fused (4.3 -> 3.6 ms)."""
-    rows, weight = x.reshape(-1, x.size(-1)), weight.to(x.dtype)  # (M, in)
-    if torch.compiler.is_compiling() and rows.size(0) > 1:  # one row: the fused form measured faster
+    slower at 8 rows (a whole int8 step 40 -> 15 ms on an AMD EPYC); one row is faster fused (4.3 -> 3.6 ms).
+    int8 rows (w8a8's) are multiplied in float32 like int8 weights: at one row the fastest of w8a8's kernels."""
+    rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
+    weight = weight.to(rows.dtype)
+    # one float row: the fused form measured faster; int8 rows' quantization holds a reduction (its largest magnitude)
+    if torch.compiler.is_compiling() and (rows.size(0) > 1 or not x.is_floating_point()):
         rows = computed_first(rows)
     y = torch.stack([(row * weight).sum(-1) for row in rows])  # (M, out); one broadcast product would read W M times
     if bias is not None:
@@ -179,8 +190,8 @@ def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """torch's int8 x int8 product (torch._int_mm, oneDNN's on x86) for int8 rows and int8 weights as stored: the
-    integer sums as float32 (+ bias). One row: a GPT-2-small step's products in 2.1 ms on an AMD EPYC, where oneDNN's
-    packed int8 took 3.3 (a fixed ~15 us a call); 8 rows: 6.8 against 4.1. Like onednn_int8_linear it needs VNNI."""
+    integer sums as float32 (+ bias). One row: a GPT-2-small step's products in 3.5 ms on an AMD EPYC, where oneDNN's
+    packed int8 product took 5.4 (~15 us more a call); 8 rows: 8.5 against 5.8. Like that one it needs VNNI."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("torch._int_mm takes int8 rows and int8 weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
@@ -215,7 +226,8 @@ def cache_dir():
 
 
 def this_machine():
-    """What a remembered choice holds only for: the CPU (model and instruction-set flags), torch, threads."""
+    """What a remembered choice holds only for: the CPU (model and instruction-set flags), torch, threads, and the
+    candidates it was chosen among (a kernel added to KERNELS is measured, not passed over)."""
     model, flags = "unknown", ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -229,7 +241,7 @@ def this_machine():
         import platform
         model = platform.processor() or platform.machine()
     return {"cpu": model, "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
-            "torch": torch.__version__, "threads": torch.get_num_threads()}
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": list(KERNELS)}
 
 
 def read_choices(path):

@@ -23,12 +23,13 @@ activations keep the model's precision, nothing of them is quantized. The same l
 "w8a8" quantizes the activations too, each row on its own grid at run time (its largest magnitude / 127), and
 multiplies int8 by int8 with exact integer sums: llama.cpp's q8_0 does the same with a scale per 32 values. A
 one-row product reads the same int8 weights as "int8"; several rows (a batch, a speculative check) cost little more,
-where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU: on a CPU with VNNI
-(int8 dot products), oneDNN's int8 product of a GPT-2-small step took 3.6 / 3.9 / 4.2 ms at 1 / 5 / 8 rows on an
-AMD EPYC, weight-only int8's fastest 3.5 / 5.6 / 7.4 (bench/bench_kernels.py; kernels.py picks by measurement: a
-CPU without VNNI saturates oneDNN's sums, and the check drops it). Each row keeps its own scale, so a row's result
-never depends on the others in its batch (fbgemm's dynamic int8, above, took one scale per call). Its layer's own
-forward, for prefills and devices without such a kernel, multiplies the rows' integers in float32.
+where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU. A GPT-2-small step's
+products on an AMD EPYC with VNNI (int8 dot products), ms at 1 / 5 / 8 rows: w8a8 3.5 / 5.2 / 5.8 (torch._int_mm,
+then oneDNN's packed int8 product), weight-only int8 2.8 / 7.6 / 10.2 (bench/bench_kernels.py, one run; kernels.py
+picks by measurement, and drops both int8 kernels on a CPU without VNNI, where their sums saturate). So "int8" is
+the faster at batch 1 and "w8a8" at several rows. Each row keeps its own scale, so a row's result never depends on
+the others in its batch (fbgemm's dynamic int8, above, took one scale per call). Its layer's own forward, for
+prefills and devices without such a kernel, multiplies the rows' integers in float32.
 The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
 """
 
