@@ -52,9 +52,21 @@ def check_quantize(scheme):
         raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
 
 
-def row_scales(weight):
-    """One scale per output channel of a weight (out, in): the row's largest magnitude maps to 127."""
-    return weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (out,)
+def quantize_rows(x):
+    """x (..., in) as int8 rows, each on its own grid (its largest magnitude maps to 127): (x_int8, scales (..., 1)
+    float32) with x ~ x_int8 * scales. A weight's rows (output channels) once; w8a8's activations at every step."""
+    x = x.float()
+    scales = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (..., 1)
+    return torch.round(x / scales).to(torch.int8), scales
+
+
+def hold_int8(layer, linear, scales_dtype):
+    """Give layer (a new module) linear's sizes, its weight as int8 rows with one scale each, and its bias."""
+    layer.in_features, layer.out_features = linear.in_features, linear.out_features
+    weight, scales = quantize_rows(linear.weight.detach())  # int8 (out, in), (out, 1)
+    layer.register_buffer("weight", weight)
+    layer.register_buffer("scales", scales[:, 0].to(scales_dtype))
+    layer.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -63,12 +75,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()  # (out, in)
-        scales = row_scales(weight)
-        self.register_buffer("weight", torch.round(weight / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales.to(linear.weight.dtype))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        hold_int8(self, linear, linear.weight.dtype)
 
     def forward(self, x):  # x (..., in) -> (..., out)
         y = F.linear(x, self.weight.to(x.dtype)) * self.scales
@@ -81,13 +88,6 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per output channel"
 
 
-def quantize_rows(x):
-    """x (..., in) as int8 rows, each on its own grid: (x_int8, scales (..., 1) float32) with x ~ x_int8 * scales."""
-    x = x.float()
-    scales = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127  # (..., 1)
-    return torch.round(x / scales).to(torch.int8), scales
-
-
 class W8A8Linear(nn.Module):
     """A linear layer y = (x_int8 W_int8^T) * x_scale * w_scale + b: int8 weights with one scale per output row, and
     each input row quantized to int8 at run time with its own scale (quantize_rows); the product's sums are whole
@@ -95,12 +95,7 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().float()  # (out, in)
-        scales = row_scales(weight)
-        self.register_buffer("weight", torch.round(weight / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales)  # float32: applied to float32 sums
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        hold_int8(self, linear, torch.float32)  # scales in float32: applied to float32 sums
 
     def forward(self, x):  # x (..., in) -> (..., out)
         rows, row_scales = quantize_rows(x)
