@@ -150,6 +150,13 @@ def compile_decode_step(device, step=decode_step):
     return torch.compile(step, fullgraph=True, dynamic=False, options=options)
 
 
+def compiled_cache_length(positions, block_size):
+    """The length of a compiled step's static cache for a run of positions: rounded up to a multiple of
+    COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code (the step attends over all of it),
+    at most block_size."""
+    return min(block_size, -(-positions // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
+
+
 def compiles_by_default(model):
     """Whether sample.py compiles this model's decode step when --compile is not given."""
     tensors = [*model.parameters(), *model.buffers()]
@@ -177,10 +184,9 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
         use_compile_cache()  # compiled once per machine: a later run loads the kernels
         step_fn = compile_decode_step(device)
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters. Compiled,
-    # rounded up to a multiple of COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code.
+    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters
     max_len = len(prompt_ids) + settings["max_new_tokens"]
-    max_len = min(block_size, -(-max_len // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP if compiled else max_len)
+    max_len = compiled_cache_length(max_len, block_size) if compiled else min(block_size, max_len)
     contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
     cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, compiled)
     if compiled:  # eager: this batch of 1 would be a second shape to compile
@@ -354,7 +360,7 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
         use_compile_cache()
         step = compile_decode_step(device, chunk_logits)
     longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_loop sizes it
-    max_len = min(block_size, -(-longest // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
+    max_len = compiled_cache_length(longest, block_size)  # compiled or not: one cache sizing for both
     n_accepted = n_proposed = 0
     unwarmed = settings["compile"]
     for sample in range(settings["num_samples"]):

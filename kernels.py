@@ -378,10 +378,9 @@ def decode_linear(layer, chosen, x):
     if isinstance(layer, W8A8Linear):
         rows, row_scales = quantize_rows(x)  # int8 (..., in), float32 (..., 1)
         return layer.scaled(KERNELS[kernel](rows, layer.weight, None), row_scales, x.dtype)
-    if not hasattr(layer, "scales"):
-        return KERNELS[kernel](x, layer.weight, layer.bias)
-    y = KERNELS[kernel](x, layer.weight, None) * layer.scales
-    return y if layer.bias is None else y + layer.bias
+    if isinstance(layer, Int8WeightOnlyLinear):
+        return layer.scaled(KERNELS[kernel](x, layer.weight, None))
+    return KERNELS[kernel](x, layer.weight, layer.bias)
 
 
 def is_decode_linear(module):

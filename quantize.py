@@ -78,7 +78,11 @@ class Int8WeightOnlyLinear(nn.Module):
         hold_int8(self, linear, linear.weight.dtype)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        y = F.linear(x, self.weight.to(x.dtype)) * self.scales
+        return self.scaled(F.linear(x, self.weight.to(x.dtype)))
+
+    def scaled(self, products):
+        """The layer's output from the product (..., out) of x and the int8 weight (any kernel's)."""
+        y = products * self.scales
         return y if self.bias is None else y + self.bias
 
     def dequantized_weight(self):
