@@ -127,10 +127,21 @@ def full_optimizer_states(model, optimizers):
     return [state and by_index(state) for state in states]
 
 
+# How an optimizer's step runs belongs to the device this run is on, not to the run that saved the checkpoint.
+# load_state_dict takes each saved param group whole, these flags included (and puts a fused step's count on the
+# device only where the saved group says fused), while the optimizer decided in its constructor that a gradient
+# scaler hands its fused step found_inf: a CPU checkpoint resumed on CUDA ran unfused, and with float16's scaler
+# crashed at its first step ("Expected grad_scale and found_inf to be None").
+STEP_FLAGS = ("fused", "foreach", "capturable")
+
+
 def load_optimizer_states(model, optimizers, states):
     """Load full optimizer state dicts (torch's format, as full_optimizer_states returns) into the optimizers,
-    each process keeping its shard of them under FSDP."""
+    each process keeping its shard of them under FSDP; each param group keeps this run's STEP_FLAGS."""
     for optimizer, state in zip(optimizers, states):
+        state = dict(state, param_groups=[
+            dict(saved, **{key: group[key] for key in STEP_FLAGS if key in group})
+            for saved, group in zip(state["param_groups"], optimizer.param_groups)])
         if not isinstance(model, FSDPModule):
             optimizer.load_state_dict(state)
             continue

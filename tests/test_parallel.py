@@ -3,6 +3,7 @@ FSDP x2, DDP x2 and one process with the same global batch train the same model;
 resumes under FSDP, DDP or one process whatever wrote it; FSDP holds about half the bytes per process; activation
 checkpointing leaves the loss and gradients as they were; the settings that cannot run are one-line errors."""
 
+import copy
 import os
 import shutil
 import socket
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 import train
 from model import GPT, GPTConfig
-from parallel import by_index, by_name, checkpoint_blocks, shard
+from parallel import by_index, by_name, checkpoint_blocks, full_optimizer_states, load_optimizer_states, shard
 from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
                         workdir)  # noqa: F401
 
@@ -187,6 +188,75 @@ def test_fsdp_under_gloo_shards_on_the_cpu_where_torch_has_cuda(fake_cuda):
         assert {(p.device_mesh.device_type, p.device.type) for p in model.parameters()} == {("cpu", "cpu")}
         idx = torch.randint(0, 64, (2, 8))
         model(idx, idx)[1].backward()  # gathers and reduces on the CPU
+    finally:
+        dist.destroy_process_group()
+
+
+UNTIED = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, tie_embeddings=False)
+
+
+def cpu_run_optimizer_states(config=UNTIED):
+    """The model and optimizer states of one step of a run on the CPU (unfused AdamW, as make_optimizers picks there)."""
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizers = train.make_optimizers(model, train.DEFAULTS, "cpu")
+    idx = torch.randint(0, config.vocab_size, (2, config.block_size))
+    model(idx, idx)[1].backward()
+    train.optimizer_step(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), 1.0, 1.0)
+    assert optimizers[0].param_groups[0]["fused"] is False
+    return model, full_optimizer_states(model, optimizers), idx
+
+
+def test_a_cpu_checkpoint_resumes_with_fused_adamw_and_float16_loss_scaling():
+    """A CPU (or Mac) run resumed on CUDA: make_optimizers builds fused AdamW, and the checkpoint's param groups say
+    unfused. They must not replace this run's choice: AdamW decided in its constructor that the gradient scaler hands
+    its step found_inf (fused only), so an unfused step under float16's scaler raised "Expected grad_scale and
+    found_inf to be None". CPU tensors stand in for CUDA's (fused AdamW and a GradScaler run on the CPU in torch 2.13)."""
+    saved, states, idx = cpu_run_optimizer_states()
+    steps = {}
+    for fused in (False, True):  # this run's AdamW: as on a CPU, and as on CUDA
+        model = GPT(UNTIED)
+        model.load_state_dict(saved.state_dict())
+        optimizers = train.make_optimizers(model, train.DEFAULTS, "cuda" if fused else "cpu")
+        load_optimizer_states(model, optimizers, copy.deepcopy(states))  # AdamW steps the loaded tensors in place
+        assert [group["fused"] for group in optimizers[0].param_groups] == [fused] * 2
+        scaler = torch.amp.GradScaler("cpu", enabled=True)  # float16's loss scaling
+        scaler.scale(model(idx, idx)[1]).backward()
+        train.optimizer_step(model, optimizers, scaler, 1.0, 1.0)
+        steps[fused] = [p.detach().clone() for p in model.parameters()]
+    for unfused, fused in zip(steps[False], steps[True]):  # the same step: the saved moments were used by both
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-6)
+
+
+def test_a_resumed_fused_adamw_keeps_its_step_count_on_the_gpu():
+    """Fused AdamW on CUDA needs each parameter's step count on the GPU; load_state_dict puts it there only for a
+    param group the checkpoint says is fused. CUDA tensors of torch's FakeTensorMode (no GPU, no memory) show where
+    it lands."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    _, states, _ = cpu_run_optimizer_states()
+    with torch.device("meta"):
+        model = GPT(UNTIED)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cuda")
+        optimizers = train.make_optimizers(model, train.DEFAULTS, "cuda")
+        load_optimizer_states(model, optimizers, states)
+        for group in optimizers[0].param_groups:
+            assert group["fused"] is True
+            for param in group["params"]:
+                assert {name: t.device.type for name, t in optimizers[0].state[param].items()} == \
+                    dict(step="cuda", exp_avg="cuda", exp_avg_sq="cuda")
+
+
+def test_fsdp_resumes_a_cpu_checkpoint_with_this_runs_optimizer_flags():
+    """The same under FSDP (set_optimizer_state_dict), one gloo process: the groups keep the flags make_optimizers set."""
+    _, states, _ = cpu_run_optimizer_states()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        model = shard(GPT(UNTIED), torch.float32)
+        optimizers = train.make_optimizers(model, train.DEFAULTS, "cuda")
+        load_optimizer_states(model, optimizers, states)
+        assert [group["fused"] for group in optimizers[0].param_groups] == [True, True]
+        assert all(len(optimizers[0].state[p]) == 3 for p in model.parameters())  # the moments were loaded
     finally:
         dist.destroy_process_group()
 
