@@ -130,11 +130,11 @@ def last_logits(model, tokens, cache):
 # cast into the product, so that a batch-1 step reads int8 weights (tests/test_quantize.py shows the graph).
 CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <= 255 unused slots costs ~1% here
-# On a CPU the decode step compiles by default where that pays: weights larger than this (beyond a CPU's caches, so
-# a step is bound by reading them; GPT-2-small's 456 MB: 13.7 -> 8.3 ms a token on an AMD EPYC) or int8 weights
-# (eager, each step makes a float copy of them). A smaller model's eager step is ~1 ms, mostly per-op overhead, and
-# loading its compiled code (~3 s) costs more than its tokens gain: config/small.py's model, 500 tokens, 1.5 s eager
-# from launch to exit, 4.8 s compiled (bench/RESULTS.md).
+# On a CPU or a CUDA GPU the decode step compiles by default where that pays: weights larger than this (on a CPU,
+# beyond its caches, so a step is bound by reading them; on CUDA, where eager a step is hundreds of kernel launches
+# and compiled one CUDA graph) or int8 weights (eager, each step makes a float copy of them). A smaller model's eager
+# step is mostly per-op overhead, and loading its compiled code costs more than its tokens gain (config/small.py's
+# model on a CPU: bench/RESULTS.md). MPS does not compile: torch.compile's MPS backend is not what the repo tests.
 COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
 
 
@@ -162,7 +162,7 @@ def compiles_by_default(model):
     tensors = [*model.parameters(), *model.buffers()]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     int8 = any(t.dtype == torch.int8 for t in tensors)
-    return device_of(model).type == "cpu" and (int8 or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
+    return device_of(model).type in ("cpu", "cuda") and (int8 or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
 
 
 @torch.inference_mode()

@@ -51,7 +51,7 @@ DEFAULTS = dict(
     # "w8a8": the rows too, each with its own scale (llama.cpp's q8_0 kind): fast at several rows (quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (static cache shapes; compiled code is kept: kernels.cache_dir());
-    # None: on a CPU where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not
+    # None: on a CPU or CUDA where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not
     draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding;
     # "lookup": the context is the draft (what followed the last tokens where they occurred before; no model)
     draft_k=4,  # tokens the draft proposes per step

@@ -165,17 +165,26 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k, devic
     assert n_rejected > 0 and n_all_accepted > 0  # both ways a step ends, each followed by another step
 
 
-def test_a_cpu_model_compiles_by_default_when_large_or_int8_and_a_gpu_one_never(monkeypatch):
-    """engine.compiles_by_default, sample.py's --compile when not given: on a CPU, for weights beyond
-    COMPILE_BY_DEFAULT_BYTES or int8 ones; a small float model's eager step is faster from launch to exit."""
+def test_a_model_compiles_by_default_when_large_or_int8_on_a_cpu_and_on_cuda(monkeypatch):
+    """engine.compiles_by_default, sample.py's --compile when not given: on a CPU or CUDA, for weights beyond
+    COMPILE_BY_DEFAULT_BYTES or int8 ones; a small float model's eager step is faster from launch to exit. A CUDA model
+    is made of FakeTensorMode's CUDA tensors (no GPU, no memory: torch's own fake, which a CPU-only build carries)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from quantize import quantize
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    model = GPT(config)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
     assert not engine.compiles_by_default(model)
     monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", weight_bytes - 1)
     assert engine.compiles_by_default(model)
-    assert not engine.compiles_by_default(copy.deepcopy(model).to("meta"))  # not a CPU: never by default
-    monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", 10 * weight_bytes)
+    assert not engine.compiles_by_default(copy.deepcopy(model).to("meta"))  # not a CPU or CUDA: never by default
+    with torch.device("meta"):
+        on_cuda = GPT(config)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_cuda.to_empty(device="cuda")
+        assert engine.device_of(on_cuda).type == "cuda" and engine.compiles_by_default(on_cuda)
+        monkeypatch.setattr(engine, "COMPILE_BY_DEFAULT_BYTES", 10 * weight_bytes)
+        assert not engine.compiles_by_default(on_cuda)
     assert engine.compiles_by_default(quantize(model, "int8"))
 
 
