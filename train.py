@@ -118,8 +118,17 @@ def setup_distributed(settings):
     if "RANK" not in os.environ:
         return 0, 1, device
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Checked before the process group starts, by every process alike: one line each, no rendezvous left waiting
+    if device.startswith("mps"):  # gloo's collectives carry CPU and CUDA tensors only
+        raise TrainError("torchrun's processes talk through gloo, which cannot carry MPS tensors: on a Mac train in "
+                         "one process (python train.py ...), or pass --device=cpu to torchrun")
     if device.startswith("cuda"):
-        device = f"cuda:{os.environ['LOCAL_RANK']}"
+        local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if processes > count:
+            raise TrainError(f"torchrun started {processes} processes on this node, but it has {count} CUDA GPU(s), "
+                             f"one per process; pass --nproc_per_node={count}")
+        device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
     return rank, world_size, device

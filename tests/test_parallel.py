@@ -361,6 +361,32 @@ def test_float16_with_fsdp_is_refused_naming_a_dtype_the_card_runs():
         train.check_fsdp(dict(optimizer="adamw", dtype="auto"), True, torch.float16)
 
 
+def torchrun_errors(workdir, out_dir, processes, device):
+    """The "error: " lines of a torchrun train.py run that must fail before its process group starts."""
+    args = [a for a in TINY if not a.startswith("--device")] + [f"--device={device}", f"--out_dir={out_dir}"]
+    result = subprocess.run([*TORCHRUN[:-1], f"--nproc_per_node={processes}", TRAIN, *args], cwd=workdir,
+                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode != 0
+    return [line for line in result.stderr.splitlines() if line.startswith("error: ")], result.stderr
+
+
+def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, tmp_path):  # noqa: F811
+    """README's torchrun --nproc_per_node=8 on a machine with fewer GPUs (2, faked): each process says so in one line
+    before the process group starts (no "invalid device ordinal" traceback, no rank left waiting for the others)."""
+    fake_cuda()
+    errors, output = torchrun_errors(workdir, tmp_path, 3, "cuda")
+    assert errors == ["error: torchrun started 3 processes on this node, but it has 2 CUDA GPU(s), one per process; "
+                      "pass --nproc_per_node=2"] * 3, output
+    assert "invalid device ordinal" not in output and "NCCL" not in output
+
+
+def test_torchrun_on_mps_is_one_line_on_every_rank(workdir, tmp_path):  # noqa: F811
+    """gloo carries CPU and CUDA tensors only (torch's backend_capability): DDP and FSDP cannot run on a Mac's GPU."""
+    errors, output = torchrun_errors(workdir, tmp_path, 2, "mps")
+    assert len(errors) == 2 and all("gloo, which cannot carry MPS tensors" in e and "--device=cpu" in e
+                                    for e in errors), output
+
+
 def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
     result = subprocess.run([*TORCHRUN, TRAIN, *TINY, *TWO_PROCESSES, f"--out_dir={tmp_path}",
                              "--gradient_accumulation_steps=1"],
