@@ -812,6 +812,8 @@ def synced_time(device_type):
     """time.perf_counter() once the GPU has done the work queued so far (the CPU runs ahead of it)."""
     if device_type == "cuda":
         torch.cuda.synchronize()
+    elif device_type == "mps":
+        torch.mps.synchronize()
     return time.perf_counter()
 
 

@@ -849,3 +849,14 @@ def test_ms_per_iter_counts_every_step_of_its_interval_and_no_evaluation(workdir
     train_main(workdir, str(tmp_path / "out"), "--max_iters=8", "--eval_interval=3", "--log_interval=2")
     timed = [r["ms_per_iter"] for r in records(str(tmp_path / "out")) if "ms_per_iter" in r]
     assert len(timed) == 4 and all(200 <= ms < 600 for ms in timed), timed
+
+
+def test_timings_wait_for_the_gpu_on_a_mac_too(monkeypatch):
+    """The first step's time and each evaluation's are taken once the GPU has finished (the CPU runs ahead of it):
+    on MPS as on CUDA. torch.mps.synchronize's C function is faked here, counting its calls."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_mps_deviceSynchronize", lambda: calls.append("mps"))
+    train.synced_time("mps")
+    assert calls == ["mps"]
+    train.synced_time("cpu")
+    assert calls == ["mps"]
