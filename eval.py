@@ -171,7 +171,7 @@ def main(argv):
             raise EvalError(LM_EVAL_MISSING) from None
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
-    check_quantize(settings["quantize"])
+    check_quantize(settings["quantize"], device)
     model, meta, dataset = load(settings, device, dtype)
     quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)

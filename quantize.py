@@ -45,11 +45,15 @@ class QuantizeError(Exception):
     """A quantization the user asked for that cannot run here; the message is one line saying what to do."""
 
 
-def check_quantize(scheme):
-    """Raise QuantizeError unless scheme is one this file knows (None or "" for none). Both layers are plain torch
-    ops: they run wherever F.linear does."""
+def check_quantize(scheme, device="cpu"):
+    """Raise QuantizeError unless scheme is one this file knows (None or "" for none) and pays on device. Both
+    layers are plain torch ops that run wherever F.linear does, but w8a8's int8 products have kernels on a CPU only
+    (kernels.py): elsewhere its layers multiply a float32 copy of every weight each step, slower than float32."""
     if scheme and scheme not in SCHEMES:
         raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
+    if scheme == "w8a8" and not device.startswith("cpu"):
+        raise QuantizeError(f"--quantize=w8a8 is a CPU mode (on {device} it would multiply a float32 copy of every "
+                            "weight each step); use --quantize=int8 there")
 
 
 def quantize_rows(x):

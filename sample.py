@@ -118,7 +118,7 @@ def main(argv):
     stops = check_settings(settings)
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
-    check_quantize(settings["quantize"])
+    check_quantize(settings["quantize"], device)
     model, meta, dataset = load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"],
                                     device, dtype)
     quantize(model, settings["quantize"])

@@ -542,3 +542,18 @@ def test_an_unknown_scheme_in_a_separate_process_is_one_line_without_traceback(i
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "int4" in lines[0], stderr
     assert stdout == ""
+
+
+@pytest.mark.parametrize("script", [sample, evaluate], ids=["sample", "eval"])
+def test_w8a8_off_the_cpu_is_refused_before_the_model_loads(fake_cuda, script, tmp_path):
+    """w8a8's int8 products have kernels on a CPU only: on a GPU its layers would multiply a float32 copy of every
+    weight each step, slower than plain float32, so sample.py and eval.py say so instead (CUDA faked at torch's C
+    boundary; no checkpoint needed: the refusal comes first). int8 gets past the check to the missing checkpoint."""
+    from quantize import QuantizeError
+    fake_cuda()
+    for device in ("cuda", "mps"):
+        with pytest.raises(QuantizeError, match=rf"^--quantize=w8a8 is a CPU mode \(on {device} it would multiply a "
+                                                r"float32 copy of every weight each step\); use --quantize=int8 there$"):
+            script.main([f"--out_dir={tmp_path}", f"--device={device}", "--quantize=w8a8"])
+    with pytest.raises(Exception, match="no checkpoint at"):
+        script.main([f"--out_dir={tmp_path}", "--device=cuda", "--quantize=int8"])
