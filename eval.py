@@ -22,6 +22,7 @@ import os
 import sys
 
 import numpy as np
+import torch
 
 from checkpoint import CheckpointError, load_run, resolve_device, resolve_dtype
 from configurator import ConfigError, configure
@@ -45,7 +46,8 @@ DEFAULTS = dict(
     include_path="",  # a folder of lm-eval task YAML files (local tasks, or offline copies)
     out_json="",  # also write the results to this JSON file
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
-    dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
+    dtype="auto",  # the matrix products' precision under autocast, weights staying float32 as in training's val
+    # loss: "auto" (bfloat16 on CUDA, float16 on cards before compute capability 8.0, else float32), or one of those
     quantize=None,  # "int8" or "w8a8": score the model as sample.py --quantize=... decodes (quantize.py)
 )
 LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
@@ -172,16 +174,19 @@ def main(argv):
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
     check_quantize(settings["quantize"], device)
-    model, meta, dataset = load(settings, device, dtype)
+    # Scored as training scores its val loss: float32 weights and residual stream, the matrix products in dtype
+    # under autocast. A model cast to bfloat16 whole gave a figure comparable with neither that nor float32's.
+    model, meta, dataset = load(settings, device, torch.float32)
     quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
     results = {}
-    if settings["text"] or not settings["tasks"]:
-        results["text"] = figures = score_text(settings, model, tokenizer, dataset)
-        print(f"{figures['source']}: {figures['tokens']:,} tokens predicted, {figures['bytes']:,} bytes; "
-              f"loss {figures['loss']:.4f} nats/token, {figures['bits_per_byte']:.4f} bits per byte")
-    if settings["tasks"]:
-        results["tasks"] = run_tasks(settings, model, tokenizer)
+    with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
+        if settings["text"] or not settings["tasks"]:
+            results["text"] = figures = score_text(settings, model, tokenizer, dataset)
+            print(f"{figures['source']}: {figures['tokens']:,} tokens predicted, {figures['bytes']:,} bytes; "
+                  f"loss {figures['loss']:.4f} nats/token, {figures['bits_per_byte']:.4f} bits per byte")
+        if settings["tasks"]:
+            results["tasks"] = run_tasks(settings, model, tokenizer)
     if settings["out_json"]:
         write_json(settings["out_json"], results)
 

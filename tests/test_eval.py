@@ -120,6 +120,27 @@ def test_val_split_figures_go_to_stdout_and_json(bpe_run, device):
     assert first_32["loss"] * 32 == pytest.approx(nats, rel=1e-5)
 
 
+def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run):
+    """--dtype=bfloat16 (auto's choice on CUDA): float32 weights and residual stream, the matrix products in bfloat16
+    under autocast, as train.py's val loss is computed; not the model cast to bfloat16 whole, whose figure was
+    comparable with neither. The CPU's autocast stands in for the GPU's."""
+    from checkpoint import load_model
+    from data.shards import find_shards, read_shard
+
+    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=200", "--dtype=bfloat16", "--device=cpu",
+                      "--out_json=bf16.json")
+    assert result.returncode == 0, result.stderr
+    figures = json.loads((bpe_run / "bf16.json").read_text())["text"]
+    model, meta = load_model(str(bpe_run / "out"), "cpu")
+    tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:201]]
+    lengths = Tokenizer(meta).byte_lengths()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = evaluate.bits_per_byte(model, tokens, lengths)
+    float32 = evaluate.bits_per_byte(model, tokens, lengths)
+    assert figures["loss"] == pytest.approx(autocast["loss"], rel=1e-6)
+    assert figures["loss"] != pytest.approx(float32["loss"], rel=1e-6)  # autocast was on
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--out_dir=nowhere"], "no checkpoint at nowhere"),
     (["--out_dir=out", "--text=missing.txt"], "cannot read --text missing.txt"),
