@@ -18,6 +18,7 @@ any run resumes under DDP, FSDP or one process, on any number of processes.
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -64,15 +65,19 @@ def wrap_ddp(model, device):
     return DDP(model, device_ids=[int(device.split(":")[1])] if device.startswith("cuda") else None)
 
 
+BROADCAST_CHUNK = 64 * 2**20  # bytes of a file sent at a time: a GPU holds this much of it, not all of it
+
+
 def file_from_rank0(path, device):
     """The bytes of the file at path as global rank 0 sees it, on every rank (each must call it): nodes need not
     share a filesystem. None on every rank where rank 0 cannot read it. device: where the process group's
-    collectives run (a CUDA device under NCCL). Holds the file twice in memory for a moment."""
+    collectives run (a CUDA device under NCCL); the file goes through it BROADCAST_CHUNK bytes at a time."""
     data, size = None, -1
     if dist.get_rank() == 0:
         try:
             with open(path, "rb") as f:
-                data = bytearray(f.read())  # writable, so torch.frombuffer shares it without a warning
+                data = bytearray(os.fstat(f.fileno()).st_size)  # writable, so torch.frombuffer shares it
+                f.readinto(data)
             size = len(data)
         except OSError:
             pass
@@ -80,10 +85,13 @@ def file_from_rank0(path, device):
     dist.broadcast(size, src=0)
     if size.item() < 0:
         return None
-    buffer = torch.frombuffer(data, dtype=torch.uint8).to(device) if data is not None else \
-        torch.empty(size.item(), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=0)
-    return data if data is not None else buffer.cpu().numpy().tobytes()
+    data = data if data is not None else bytearray(size.item())
+    for start in range(0, len(data), BROADCAST_CHUNK):
+        part = torch.frombuffer(data, dtype=torch.uint8, offset=start, count=min(BROADCAST_CHUNK, len(data) - start))
+        sent = part.to(device)  # a copy on a GPU; on the CPU, part itself
+        dist.broadcast(sent, src=0)
+        part.copy_(sent)  # what rank 0 sent, into data (where it already is on the CPU)
+    return data
 
 
 @contextlib.contextmanager

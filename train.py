@@ -650,6 +650,9 @@ def train(settings, run_dir):
         load_optimizer_states(raw_model, optimizers, checkpoint["optimizers"])
         loader.load_state_dict(checkpoint["loader"])
         iter_num, best_val_loss, elapsed = checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
+        # the weights and optimizer state are in place: the run keeps none of the checkpoint's tensors (at 1B
+        # parameters, gigabytes per process), only its small fields
+        checkpoint = {key: value for key, value in checkpoint.items() if key not in ("model", "optimizers")}
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["base_lr"] = settings["learning_rate"]

@@ -151,6 +151,38 @@ def test_a_run_resumes_on_nodes_that_share_no_filesystem(runs, workdir, tmp_path
     assert_same_run(tmp_path / "node0" / "run", runs["single"], 1e-5)
 
 
+SEND_A_FILE = r"""import os, sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import parallel
+parallel.BROADCAST_CHUNK = 1000
+sizes, broadcast = [], dist.broadcast
+dist.broadcast = lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+data = parallel.file_from_rank0(sys.argv[2] if rank == 0 else "no such file", "cpu")
+missing = parallel.file_from_rank0(os.path.join(sys.argv[3], "missing"), "cpu")
+with open(os.path.join(sys.argv[3], f"rank{rank}"), "wb") as f:
+    f.write(bytes(data))
+print(rank, sizes, missing, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_file_goes_to_every_rank_in_chunks(tmp_path):
+    """Resuming on nodes without a shared filesystem, rank 0 sends ckpt.pt: in BROADCAST_CHUNK pieces (a GPU
+    holds one piece, not the whole file), every rank ending with rank 0's bytes; a file rank 0 cannot read is None
+    on every rank."""
+    file = tmp_path / "file.bin"
+    file.write_bytes(os.urandom(2500))
+    (tmp_path / "send.py").write_text(SEND_A_FILE)
+    result = subprocess.run([*TORCHRUN, str(tmp_path / "send.py"), ROOT, str(file), str(tmp_path)],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_bytes() == file.read_bytes()
+        assert f"{rank} [1, 1000, 1000, 500, 1] None" in result.stdout.splitlines(), result.stdout
+
+
 def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(runs, workdir, tmp_path):
     """The MixedPrecisionPolicy path CUDA takes (bf16 compute, fp32 gradient reduction), run with gloo: its losses
     follow one process under bf16 autocast within bf16's rounding, differ from the fp32 run by more than fp32's

@@ -860,3 +860,30 @@ def test_timings_wait_for_the_gpu_on_a_mac_too(monkeypatch):
     assert calls == ["mps"]
     train.synced_time("cpu")
     assert calls == ["mps"]
+
+
+def test_a_resumed_run_keeps_none_of_the_checkpoints_tensors(workdir, trained, tmp_path, monkeypatch):
+    """Once the weights and optimizer state are in place, the loaded checkpoint's tensors are let go: held for the
+    whole run they were a second copy of the model and its optimizer state in every process. Checked at the first
+    log line, with weak references to the tensors of the checkpoint that load_checkpoint returned."""
+    import gc
+    import weakref
+    shutil.copytree(trained, tmp_path, dirs_exist_ok=True)
+    loaded, alive_at_first_log = [], []
+
+    def load_checkpoint(*args, **kwargs):
+        checkpoint = load_checkpoint_before(*args, **kwargs)
+        loaded.extend(weakref.ref(t) for t in checkpoint["model"].values())
+        return checkpoint
+
+    def log(self, record):
+        if not alive_at_first_log:
+            gc.collect()
+            alive_at_first_log.append(sum(ref() is not None for ref in loaded))
+        log_before(self, record)
+
+    load_checkpoint_before, log_before = train.load_checkpoint, train.RunDir.log
+    monkeypatch.setattr(train, "load_checkpoint", load_checkpoint)
+    monkeypatch.setattr(train.RunDir, "log", log)
+    train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=32", "--eval_interval=10")
+    assert len(loaded) > 5 and alive_at_first_log == [0]
