@@ -279,18 +279,31 @@ def test_a_resumed_fused_adamw_keeps_its_step_count_on_the_gpu():
                     dict(step="cuda", exp_avg="cuda", exp_avg_sq="cuda")
 
 
-def test_fsdp_resumes_a_cpu_checkpoint_with_this_runs_optimizer_flags():
-    """The same under FSDP (set_optimizer_state_dict), one gloo process: the groups keep the flags make_optimizers set."""
-    _, states, _ = cpu_run_optimizer_states()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        model = shard(GPT(UNTIED), torch.float32)
-        optimizers = train.make_optimizers(model, train.DEFAULTS, "cuda")
-        load_optimizer_states(model, optimizers, states)
-        assert [group["fused"] for group in optimizers[0].param_groups] == [True, True]
-        assert all(len(optimizers[0].state[p]) == 3 for p in model.parameters())  # the moments were loaded
-    finally:
-        dist.destroy_process_group()
+FSDP_RESUMES_A_CPU_RUN = r"""import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
+import train
+from model import GPT
+from parallel import load_optimizer_states, shard
+from test_parallel import UNTIED, cpu_run_optimizer_states
+_, states, _ = cpu_run_optimizer_states()  # the same on both ranks
+dist.init_process_group("gloo")
+model = shard(GPT(UNTIED), torch.float32)
+optimizers = train.make_optimizers(model, train.DEFAULTS, "cuda")
+load_optimizer_states(model, optimizers, states)
+print(dist.get_rank(), [group["fused"] for group in optimizers[0].param_groups],
+      all(len(optimizers[0].state[p]) == 3 for p in model.parameters()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp_resumes_a_cpu_checkpoint_with_this_runs_optimizer_flags(tmp_path):
+    """The same under FSDP (set_optimizer_state_dict), 2 gloo processes: the groups keep the flags make_optimizers
+    set, and every parameter's moments are loaded."""
+    (tmp_path / "resume.py").write_text(FSDP_RESUMES_A_CPU_RUN)
+    result = subprocess.run([*TORCHRUN, str(tmp_path / "resume.py"), ROOT], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    assert sorted(result.stdout.splitlines()) == ["0 [True, True] True", "1 [True, True] True"], result.stdout
 
 
 def test_optimizer_state_names_and_numbers_convert_both_ways():
