@@ -58,15 +58,29 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# Why the fake_cuda tests skip on a torch built with CUDA (the fixture's docstring); None on a CPU-only build
+NO_FAKE_CUDA = ("faked CUDA needs a CPU-only torch; this one is built with "
+                + (f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}")
+                + " (bench/gpu_check.py tests the GPU paths on the GPU)") if torch.backends.cuda.is_built() else None
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """A machine with two CUDA GPUs, faked at torch's C boundary only (tests/fake_cuda/sitecustomize.py): call
-    fake_cuda() (or fake_cuda((7, 5)) for another compute capability) in a test. It fakes this process and, through
-    PYTHONPATH and FAKE_CUDA, every Python subprocess the test starts; the first real CUDA call (an allocation)
-    still fails, in torch.cuda._lazy_init. Returns the current device as a one-item list [index]."""
-    def install(capability=(8, 0)):
+    fake_cuda() in a test, fake_cuda("Tesla T4") for a card of the fake's table (fake_cuda_site.CARDS), or
+    fake_cuda((7, 5)) for the table's card of that compute capability, named "Fake GPU". It fakes this process and,
+    through PYTHONPATH and FAKE_CUDA, every Python subprocess the test starts; the first real CUDA call (an
+    allocation) still fails, in torch.cuda._lazy_init. Returns the current device as a one-item list [index].
+
+    Calling it skips the test where torch is built with CUDA, the fake's premise gone: there _lazy_init finds the CUDA
+    runtime, so --device=cuda runs on a real GPU (or fails for want of a driver) instead of stopping at the first
+    allocation, cuda:1 is a real card or none, and device_count() is the machine's (NVML's) count.
+    bench/gpu_check.py's rows test the GPU paths there, on the GPU itself. tests/test_cuda_build.py checks this."""
+    def install(card=(8, 0)):
+        if NO_FAKE_CUDA:  # when called, not at set-up: a test that takes the fixture for some cases only still runs
+            pytest.skip(NO_FAKE_CUDA)  # the others (tests/test_quantize.py's unknown_scheme)
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [FAKE_CUDA_DIR, os.environ.get("PYTHONPATH")])))
-        monkeypatch.setenv("FAKE_CUDA", ".".join(map(str, capability)))
+        monkeypatch.setenv("FAKE_CUDA", card if isinstance(card, str) else ".".join(map(str, card)))
         return fake_cuda_site.install(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False),
-                                      capability)
+                                      card)
     return install

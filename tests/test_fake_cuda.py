@@ -1,10 +1,13 @@
 """The GPU paths on a CPU-only machine: CUDA faked at torch's C boundary (conftest.py's fake_cuda), so torch's own
 Python checks run on the project's real arguments. Every entry point started with --device=cuda, cuda:1 and auto
 gets through its device, dtype and config setup to its first CUDA allocation, where a CPU-only torch stops it;
-device and dtype resolve as on a GPU machine."""
+device and dtype resolve as on a GPU machine, and torch's queries answer for each card of the fake's table as torch 2.13
+does on that card. On a torch built with CUDA the fake cannot hold, and these tests skip (tests/test_cuda_build.py)."""
 
 import os
 import re
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -93,17 +96,88 @@ def test_no_cuda_is_a_one_line_error():
         resolve_device("cuda")
 
 
-@pytest.mark.parametrize("capability, expected", [((7, 0), torch.float16), ((7, 5), torch.float16),
-                                                  ((8, 0), torch.bfloat16), ((8, 9), torch.bfloat16),
-                                                  ((9, 0), torch.bfloat16)])
-def test_auto_precision_is_bfloat16_from_ampere_on_and_float16_before(fake_cuda, capability, expected):
+# What torch 2.13 answers on each card of the fake's table (conftest.fake_cuda_site.CARDS), written from NVIDIA's
+# specifications and torch's code, not from the fake: the name as torch.cuda.get_device_name prints it; the compute
+# capability (V100: Volta, 7.0; T4: Turing, 7.5; A100: Ampere, 8.0; RTX 4090: Ada, 8.9; H100: Hopper, 9.0);
+# is_bf16_supported(including_emulation=False), which is major >= 8 (bfloat16 tensor cores, Ampere on; tf32 too);
+# and is_bf16_supported(), which also says True below 8.0 where a bfloat16 tensor can be made on the card, as on
+# every card torch runs on (its arithmetic is emulated through float32).
+REAL_CARDS = {
+    "Tesla V100-SXM2-16GB": ((7, 0), False, True),
+    "Tesla T4": ((7, 5), False, True),
+    "NVIDIA A100-SXM4-80GB": ((8, 0), True, True),
+    "NVIDIA GeForce RTX 4090": ((8, 9), True, True),
+    "NVIDIA H100 80GB HBM3": ((9, 0), True, True),
+}
+
+
+def test_the_fake_has_the_cards_tested_here():
+    assert set(fake_cuda_site.CARDS) == set(REAL_CARDS)
+
+
+@pytest.mark.parametrize("card", REAL_CARDS)
+def test_each_card_answers_as_torch_does_on_it(fake_cuda, card):
+    """torch's own get_device_name, get_device_capability, is_bf16_supported and is_tf32_supported on the faked
+    card, for every way of naming a device (None and plain "cuda": the current one)."""
+    capability, native_bf16, bf16 = REAL_CARDS[card]
+    fake_cuda(card)
+    for device in (None, 0, 1, "cuda", "cuda:1", torch.device("cuda", 1)):
+        assert torch.cuda.get_device_name(device) == card, device
+        assert torch.cuda.get_device_capability(device) == capability, device
+    assert torch.cuda.is_bf16_supported(including_emulation=False) is native_bf16
+    assert torch.cuda.is_bf16_supported() is bf16  # torch's default: with emulation
+    assert torch.cuda.is_tf32_supported() is native_bf16
+
+
+def test_a_bad_device_raises_as_in_torch(fake_cuda):
+    """torch.cuda.get_device_properties (under get_device_name and get_device_capability) resolves the device with
+    torch.cuda._utils._get_device_index and raises AssertionError("Invalid device id") outside 0..device_count()-1;
+    a CPU device is a ValueError there; set_device's C function rejects the ordinal."""
+    current = fake_cuda()
+    for query in (torch.cuda.get_device_name, torch.cuda.get_device_capability, torch.cuda.get_device_properties):
+        for device in (2, "cuda:2", torch.device("cuda", 2), -1):
+            with pytest.raises(AssertionError, match="^Invalid device id$"):
+                query(device)
+        with pytest.raises(ValueError, match="Expected a cuda device, but got: cpu"):
+            query("cpu")
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        torch.cuda.set_device(2)
+    torch.cuda.set_device("cuda:1")
+    assert torch.cuda.current_device() == 1 and current == [1]
+
+
+def test_a_compute_capability_gives_the_tables_card_of_it_named_fake_gpu(fake_cuda):
+    """fake_cuda((7, 5)) (tests/test_gpu_check.py's way) is the table's T4 under the name "Fake GPU"; a capability or
+    a name the table lacks is an error, not a card with made-up answers."""
+    fake_cuda((7, 5))
+    assert torch.cuda.get_device_name(1) == fake_cuda_site.NAME == "Fake GPU"
+    assert torch.cuda.get_device_capability(1) == (7, 5)
+    assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    with pytest.raises(ValueError, match=r"no card of compute capability \(8, 6\)"):
+        fake_cuda((8, 6))
+    with pytest.raises(ValueError, match="no card 'Tesla P100-PCIE-16GB'"):
+        fake_cuda("Tesla P100-PCIE-16GB")
+
+
+def test_a_subprocess_gets_the_card_by_its_name(fake_cuda):
+    """FAKE_CUDA carries the card's name to a subprocess's sitecustomize (a capability is tested by test_gpu_check)."""
+    fake_cuda("Tesla T4")
+    code = ("import torch; c = torch.cuda; print(c.device_count(), c.get_device_name('cuda:1'), "
+            "c.get_device_capability(1), c.is_bf16_supported(), c.is_bf16_supported(including_emulation=False))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout == "2 Tesla T4 (7, 5) True False\n", result.stderr
+
+
+@pytest.mark.parametrize("card", REAL_CARDS)
+def test_auto_precision_is_bfloat16_from_ampere_on_and_float16_before(fake_cuda, card):
     """V100 (7.0) and T4 (7.5) only emulate bfloat16 (torch.cuda.is_bf16_supported() says True on a T4)."""
-    fake_cuda(capability)
+    fake_cuda(card)
+    expected = torch.bfloat16 if REAL_CARDS[card][1] else torch.float16
     assert resolve_dtype("auto", "cuda") == expected and resolve_dtype("auto", "cuda:1") == expected
     assert resolve_dtype("float32", "cuda") == torch.float32 and resolve_dtype("float16", "cuda") == torch.float16
     if expected == torch.float16:
-        with pytest.raises(CheckpointError, match=rf"{fake_cuda_site.NAME}, compute capability 7\.\d\) only emulates "
-                                                  r"bfloat16; use --dtype=float16"):
+        with pytest.raises(CheckpointError, match=rf"this GPU \({re.escape(card)}, compute capability 7\.\d\) only "
+                                                  r"emulates bfloat16; use --dtype=float16"):
             resolve_dtype("bfloat16", "cuda")
     else:
         assert resolve_dtype("bfloat16", "cuda") == torch.bfloat16
