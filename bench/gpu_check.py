@@ -5,9 +5,9 @@ and its figures, and ends with a summary to paste into a bug report.
     python bench/gpu_check.py --device=cuda:1  # one card of several
     python bench/gpu_check.py --tiny           # any machine, a tiny model: every row runs (CI runs this on the CPU)
 
-Each row runs real commands in fresh processes, as a user would type them, with --device passed to every train.py
-and sample.py; a row that fails records its error line and the last lines of its output, and the rows after it
-still run (the decoding rows need train's checkpoint: without it they fail with "needs the train row").
+Each row runs real commands in fresh processes, as a user would type them, with --device passed to every train.py,
+sample.py and eval.py; a row that fails records its error line and the last lines of its output, and the rows after
+it still run (the eval and decoding rows need train's checkpoint: without it they fail with "needs the train row").
 The rows:
   tests        the test suite, with TEST_DEVICE=cuda on a GPU (tests/conftest.py); --no_tests skips it
   data         data/shakespeare_char/prepare.py (Tiny Shakespeare's characters; every run below trains on them)
@@ -16,22 +16,37 @@ The rows:
                the graphs compiled, and its speed over train_eager's
   ddp          torchrun over every visible GPU (2 gloo processes on the CPU), --compile=True
   fsdp         the same with --fsdp=True --activation_checkpointing=True
+  resume       train's run again in two: half the iterations, then --init_from=resume to the end; every loss
+               after the resume must be train's (on the CPU to 1e-5: they are equal; on a GPU to 0.01)
+  resume_ddp   the same for ddp's run, under torchrun
+  resume_fsdp  the same for fsdp's run
+               (ddp, fsdp and their resumes are skipped on Apple MPS: torchrun there needs gloo, which carries no
+               MPS tensors)
   fp16         --dtype=float16, the gradient scaler's path: finite losses, and the optimizer steps it let through
   bf16         --dtype=bfloat16, where the card has it (compute capability 8.0 on; else skipped, not failed)
   memory       the peak memory of a few steps at each of --memory_batches sequences per micro-step, eager and
                compiled ("out of memory" where it does not fit: a figure, not a failure)
+  eval         eval.py on train's checkpoint: bits per byte of the val split (finite), and where lm-eval imports,
+               two local lm-eval tasks it writes itself (multiple choice, rolling log-likelihood) through --tasks
+               and --include_path; without lm-eval that part is skipped, saying why, and the row still passes
   int8         sample.py --quantize=int8 on train's checkpoint, eager and compiled (its fast path)
+  w8a8         sample.py --quantize=w8a8, eager and compiled: a CPU mode, skipped on a GPU (use int8 there)
   graphs       sample.py eager and --compile=True (CUDA graphs on CUDA; "skipping cudagraphs" fails the row):
                tokens/s after the first 8 tokens (prefill, compilation and graph recording left out), and the ratio
+  lookup       sample.py --draft=lookup --compile=True: its text must be plain greedy decoding's (graphs' compiled)
+  draft        a 1-layer draft model trained as config/small_draft.py makes one (same data, tokenizer, width),
+               then sample.py --draft=<it>: its text must be plain greedy decoding's (graphs' eager)
+All decoding is greedy (--temperature=0) from the same prompt.
 The training rows share one global batch (--batch_size sequences per process and micro-step, on as many processes
 as the ddp row runs), so one process, DDP and FSDP train the same model on the same data: on the CPU, in float32,
 their losses agree. The model has GPT-2 small's shape (12 x 768, 4 kv heads, context 1024, vocab 50304) in the
 precision train.py picks (bf16 from compute capability 8.0, fp16 before), or with --tiny a tiny one; the losses
 mean little, the paths and the speed are the point.
 
-Time on one H100, estimated (no GPU has run it yet): 6-9 minutes of rows, most of it torch.compile (train, ddp,
-fsdp, the compiled memory runs at 32 and 64 and both compiled decodes each compile for ~30-60 s), plus the test
-suite; --no_tests, or --memory_batches=16 (measured by the train rows already), make it shorter.
+Time on one H100, estimated (no GPU has run it yet): 10-15 minutes of rows, most of it torch.compile (train, ddp,
+fsdp, the resume rows' six runs, the compiled memory runs at 32 and 64 and the three compiled decodes each compile
+for ~30-60 s, less where inductor's caches hold what an earlier run compiled), plus the test suite; --no_tests, or
+--memory_batches=16 (measured by the train rows already), make it shorter.
 
 Everything goes to bench/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and every
 command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
@@ -62,16 +77,48 @@ import torch
 
 from files import atomic_open
 
-TRAIN, SAMPLE = os.path.join(ROOT, "train.py"), os.path.join(ROOT, "sample.py")
+TRAIN, SAMPLE, EVAL = (os.path.join(ROOT, name) for name in ("train.py", "sample.py", "eval.py"))
 GPT2_SHAPE = ["--n_layer=12", "--n_head=12", "--n_kv_head=4", "--n_embd=768", "--block_size=1024", "--vocab_size=50304",
               "--loss_chunk=8192"]  # as config/gpt2_124m.py
 TINY_SHAPE = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--block_size=64", "--vocab_size=128"]
 SPEED = re.compile(r"(\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s; ([\d.]+) after the first \d+\)")  # sample.py's
+ACCEPTED = re.compile(r"draft acceptance rate [\d.]+% \((\d+)/(\d+)\)")  # sample.py's, with --draft
 PRECISION = re.compile(r"process\(es\) on \S+, torch\.(\w+)")  # train.py's first line names the dtype it picked
 # torchrun's launcher, once a worker failed, prints its own traceback and a summary that name no cause: the cause is
 # in the worker's output before this line
 TORCHRUN_REPORT = re.compile(r"^E\d{4} .*torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed", re.M)
 RAISED = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt|Exit)\b")  # a traceback's last line
+# The eval row's lm-eval tasks, local files (write_local_tasks) as tests/test_eval.py builds its own: multiple choice
+# (loglikelihood requests, as hellaswag's) and rolling log-likelihood (as wikitext's)
+CHOICE_TASK = """task: gpu_check_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_target: label
+doc_to_choice: choices
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+TEXT_TASK = """task: gpu_check_text
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{text}}}}"
+metric_list:
+  - metric: bits_per_byte
+    aggregation: bits_per_byte
+    higher_is_better: false
+"""
 TAIL_LINES = 40  # of a failed command's output, kept in the JSON and the log: the traceback a bug report needs
 
 
@@ -92,24 +139,30 @@ class RowSkipped(Exception):
 # Running commands
 
 
-def run(ctx, command, env=None, cwd=None):
+def run(ctx, command, env=None, cwd=None, text_path=None):
     """Run one command in a fresh process; its output (stdout and stderr interleaved) is appended to the log.
     (returncode, output); returncode None when it ran past --timeout. The command gets a process group of its own,
-    so that a timeout, or Ctrl-C here, can end all of it (see stop)."""
+    so that a timeout, or Ctrl-C here, can end all of it (see stop). With text_path, its stdout goes to that file
+    alone (sample.py's text, kept apart from what it and torch print on stderr) and output is its stderr."""
     ctx.commands.append(shlex.join(command))
     with open(ctx.log, "a") as f:
         f.write(f"$ {shlex.join(command)}\n")
-    proc = subprocess.Popen(command, cwd=cwd or ctx.work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=ctx.timeout)
-        returncode = proc.returncode
-    except subprocess.TimeoutExpired:
-        output, returncode = stop(proc) + f"\ngpu_check: stopped after --timeout={ctx.timeout} s\n", None
-    except BaseException:  # Ctrl-C: end the command too (it is out of the terminal's reach), then stop here
-        stop(proc)
-        raise
+    with open(text_path, "w") if text_path else contextlib.nullcontext() as text_file:
+        proc = subprocess.Popen(command, cwd=cwd or ctx.work, env=env, stdout=text_file or subprocess.PIPE,
+                                stderr=subprocess.PIPE if text_file else subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            output = "".join(filter(None, proc.communicate(timeout=ctx.timeout)))
+            returncode = proc.returncode
+        except subprocess.TimeoutExpired:
+            output, returncode = stop(proc) + f"\ngpu_check: stopped after --timeout={ctx.timeout} s\n", None
+        except BaseException:  # Ctrl-C: end the command too (it is out of the terminal's reach), then stop here
+            stop(proc)
+            raise
     with open(ctx.log, "a") as f:
+        if text_path:  # the text, then what the command printed on stderr
+            with open(text_path) as text_file:
+                f.write(text_file.read() + "\n")
         f.write(output + "\n")
     return returncode, output
 
@@ -122,15 +175,15 @@ def stop(proc):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
-            return proc.communicate(timeout=grace)[0]
+            return "".join(filter(None, proc.communicate(timeout=grace)))
         except subprocess.TimeoutExpired:
             pass
     return "gpu_check: the command's output did not close after SIGKILL (a process of it still holds it)"
 
 
-def must(ctx, command, env=None, cwd=None):
+def must(ctx, command, env=None, cwd=None, text_path=None):
     """The output of a command that must succeed; else the row fails with the command's last error line."""
-    returncode, output = run(ctx, command, env, cwd)
+    returncode, output = run(ctx, command, env, cwd, text_path)
     if returncode != 0:
         raise failure(ctx, command, returncode, output)
     return output
@@ -284,25 +337,115 @@ def row_train(ctx):
 
 
 def processes(ctx):
-    return f"{ctx.processes} process{'es' * (ctx.processes > 1)}" + (" (gloo)" if not ctx.cuda else "")
+    return processes_of(ctx, ctx.processes)
+
+
+def processes_of(ctx, count):
+    """How a run of count processes under torchrun (None: one process, no torchrun) runs, for a row's key."""
+    if count is None:
+        return "1 process"
+    return f"{count} process{'es' * (count > 1)}" + (" (gloo)" if not ctx.cuda else "")
+
+
+def skip_torchrun_on_mps(ctx):
+    if ctx.kind == "mps":
+        raise RowSkipped("torchrun needs gloo here, and gloo carries only cpu and cuda tensors: not Apple MPS's")
 
 
 def row_ddp(ctx):
+    skip_torchrun_on_mps(ctx)
     figures, output = train_run(ctx, "ddp", "--compile=True", processes=ctx.processes)
     drop_checkpoint(ctx, "ddp")
     return figures, f"{processes(ctx)}: {speed(figures)}; {compile_note(ctx, figures, output)}"
 
 
-def row_fsdp(ctx):
+def fsdp_settings(ctx):
+    """The fsdp row's settings (the resume_fsdp row's too), and a note on them for its key."""
     settings = ["--compile=True", "--fsdp=True", "--activation_checkpointing=True"]
-    note = ""
     if ctx.cuda and not ctx.has_bf16:  # FSDP refuses float16 (train.check_fsdp), which auto picks on this card
-        settings.append("--dtype=float32")
-        note = " (float32: fsdp takes no float16, and this card has no bfloat16)"
+        return settings + ["--dtype=float32"], " (float32: fsdp takes no float16, and this card has no bfloat16)"
+    return settings, ""
+
+
+def row_fsdp(ctx):
+    skip_torchrun_on_mps(ctx)
+    settings, note = fsdp_settings(ctx)
     figures, output = train_run(ctx, "fsdp", *settings, processes=ctx.processes)
     drop_checkpoint(ctx, "fsdp")
     return figures, (f"{processes(ctx)}, activation checkpointing: {speed(figures)}{note}; "
                      f"{compile_note(ctx, figures, output)}")
+
+
+def step_losses(out_dir):
+    """{iteration: the loss logged there} from a run's metrics.jsonl (a resumed run's holds both halves)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return {r["iter"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+
+
+def largest_difference(resumed, unbroken, iterations):
+    """The largest difference between two runs' losses ({iteration: loss}) over these iterations, and where it is;
+    an iteration that either run did not log counts as an infinite difference."""
+    differences = {i: abs(resumed[i] - unbroken[i]) if i in resumed and i in unbroken else math.inf
+                   for i in iterations}
+    where = max(differences, key=differences.get)
+    return differences[where], where
+
+
+def resume_tolerance(ctx):
+    """How far a resumed run's losses may be from the unbroken run's. On the CPU both runs compute the same thing in
+    the same order: their losses were measured equal to the last bit (one process, DDP and FSDP), and the margin is
+    a few float32 steps of a loss, not enough for any real break. On a GPU, kernels that add in the order their
+    threads finish (atomic adds in backward passes) let two identical runs drift apart a little; a real break moves
+    the losses after the resume by percents: a schedule that restarts (warmup again, then a decay from the top)
+    trains those iterations at other learning rates, lost AdamW state makes its next steps move every weight by the
+    whole learning rate, a lost data position trains on other batches (and a loss is one batch's), and weights not
+    restored are nats away. Between the two, a hundredth of a nat."""
+    return 1e-5 if ctx.kind == "cpu" else 1e-2
+
+
+def resume(ctx, unbroken, settings, processes=None):
+    """The row unbroken's run (its settings and --iters; it trained them in one go) trained in two runs: half the
+    iterations, then on to --iters with --init_from=resume. Each loss the resumed run logged must be the unbroken
+    run's: a loss depends on the weights, the optimizer state, the learning rate and the batch, all of which a
+    resume must restore. Each, not the final one alone: a schedule that restarted moves the losses right after the
+    resume most, and may have come back near the unbroken run's by the end."""
+    if (ctx.results.get(unbroken, {}).get("figures") or {}).get("final_loss") is None:
+        raise RowFailed(f"needs the {unbroken} row's losses to compare with, and it logged none")
+    name, half = f"resume_{unbroken}", ctx.iters // 2
+    # lr_decay_iters=0 would mean each run's own max_iters: the first would decay by half-time. Both get the
+    # unbroken run's (its 0 meant --iters). A run evaluates and saves where it stops: the first leaves its checkpoint.
+    schedule = f"--lr_decay_iters={ctx.iters}"
+    train_run(ctx, name, *settings, f"--max_iters={half}", schedule, processes=processes)
+    figures, output = train_run(ctx, name, *settings, "--init_from=resume", f"--max_iters={ctx.iters}", schedule,
+                                processes=processes)
+    drop_checkpoint(ctx, name)
+    resumed, before = step_losses(os.path.join(ctx.work, name)), step_losses(os.path.join(ctx.work, unbroken))
+    difference, where = largest_difference(resumed, before, range(half + 1, ctx.iters + 1))
+    figures.update(resumed_at=half, unbroken_final_loss=before.get(ctx.iters), largest_difference=difference,
+                   tolerance=resume_tolerance(ctx))
+    if difference == math.inf:
+        raise RowFailed(f"no loss logged at iter {where} by the resumed run or the {unbroken} row", output, figures)
+    if difference > figures["tolerance"]:
+        raise RowFailed(f"resumed at iter {half}: loss {resumed[where]:.6f} at iter {where}, the {unbroken} row's "
+                        f"unbroken run {before[where]:.6f} ({difference:.2g} apart, tolerance "
+                        f"{figures['tolerance']:g})", output, figures)
+    return figures, (f"{processes_of(ctx, processes)}: resumed at iter {half} of {ctx.iters}, losses {half + 1}-"
+                     f"{ctx.iters} differ from the {unbroken} row's by at most {difference:.2g} (tolerance "
+                     f"{figures['tolerance']:g}); loss {figures['final_loss']:.4f}, {figures['precision']}")
+
+
+def row_resume(ctx):
+    return resume(ctx, "train", ["--compile=True"])
+
+
+def row_resume_ddp(ctx):
+    skip_torchrun_on_mps(ctx)
+    return resume(ctx, "ddp", ["--compile=True"], processes=ctx.processes)
+
+
+def row_resume_fsdp(ctx):
+    skip_torchrun_on_mps(ctx)
+    return resume(ctx, "fsdp", fsdp_settings(ctx)[0], processes=ctx.processes)
 
 
 def row_fp16(ctx):
@@ -367,18 +510,41 @@ def row_memory(ctx):
     return figures, "; ".join(parts)
 
 
-def decode(ctx, *settings):
-    """sample.py on train's checkpoint, greedy: its tokens/s overall and after the first 8 tokens."""
-    new_tokens = 64 if ctx.args.tiny else 256
+def train_checkpoint(ctx):
+    """train's out_dir, which the decoding and eval rows read: they need its checkpoint, not its PASS (a train row
+    that failed on a figure alone, compiled_graphs, wrote one)."""
     checkpoint = os.path.join(ctx.work, "train")
-    # needs train's checkpoint, not its PASS: a train row that failed on a figure alone (compiled_graphs) wrote one
     if not os.path.exists(os.path.join(checkpoint, "ckpt.pt")):
         raise RowFailed("needs the train row, which failed before writing its checkpoint")
+    return checkpoint
+
+
+def sample(ctx, *settings):
+    """sample.py on train's checkpoint, greedy: its text (kept in ctx.texts under its settings: see greedy_text) and
+    its output on stderr."""
+    checkpoint = train_checkpoint(ctx)
+    new_tokens = 64 if ctx.args.tiny else 256
+    text_path = os.path.join(ctx.work, f"sample_{len(ctx.texts)}.txt")
     # TORCH_LOGS=cudagraphs shows CUDA-graph trees' "skipping cudagraphs due to ..." (e.g. an input mutated in place
     # that is not a static address), which would leave the compiled step launch-bound
     output = must(ctx, [ctx.python, SAMPLE, f"--out_dir={checkpoint}", "--prompt=ROMEO:",
                         "--temperature=0", f"--max_new_tokens={new_tokens}", f"--device={ctx.device}", *settings],
-                  dict(os.environ, TORCH_LOGS="cudagraphs"))
+                  dict(os.environ, TORCH_LOGS="cudagraphs"), text_path=text_path)
+    with open(text_path) as f:
+        ctx.texts[settings] = f.read()
+    return ctx.texts[settings], output
+
+
+def greedy_text(ctx, *settings):
+    """Plain greedy decoding's text with these settings: from a row that ran exactly them (graphs), else run here."""
+    if settings not in ctx.texts:
+        sample(ctx, *settings)
+    return ctx.texts[settings]
+
+
+def decode(ctx, *settings):
+    """sample.py on train's checkpoint, greedy: its tokens/s overall and after the first 8 tokens."""
+    _, output = sample(ctx, *settings)
     if "skipping cudagraphs" in output:
         reason = output.split("skipping cudagraphs")[1].splitlines()[0]
         raise RowFailed(f"sample.py {' '.join(settings)} skipped CUDA graphs{reason[:300]}", output)
@@ -386,14 +552,28 @@ def decode(ctx, *settings):
     if not match:
         raise RowFailed("sample.py printed no speed line", output)
     tokens, overall, steady = match.groups()
-    return dict(tokens=int(tokens), tokens_per_sec=float(overall), tokens_per_sec_after_8=float(steady))
+    figures = dict(tokens=int(tokens), tokens_per_sec=float(overall), tokens_per_sec_after_8=float(steady))
+    if any(setting.startswith("--draft=") for setting in settings):
+        accepted = ACCEPTED.search(output)
+        if not accepted:
+            raise RowFailed("sample.py --draft printed no acceptance rate", output)
+        figures.update(accepted=int(accepted.group(1)), proposed=int(accepted.group(2)))
+    return figures
 
 
-def row_int8(ctx):
-    # weight-only int8 (quantize.py): compiled, the int8 weights' cast fuses into the product (on a GPU at batch 1);
-    # eager, every step makes a float copy of each weight
-    figures = dict(eager=decode(ctx, "--quantize=int8", "--compile=False"),
-                   compiled=decode(ctx, "--quantize=int8", "--compile=True"))
+def check_same_text(text, plain, what):
+    """Speculative decoding at temperature 0 must write plain greedy decoding's text: the model decides every token,
+    the draft only proposes. Where they part, the row fails, showing both from there."""
+    if text != plain:
+        at = next((i for i, (a, b) in enumerate(zip(text, plain)) if a != b), min(len(text), len(plain)))
+        raise RowFailed(f"{what}: its text parts from plain greedy decoding's at character {at}: "
+                        f"{text[at:at + 30]!r} instead of {plain[at:at + 30]!r}")
+
+
+def quantized_decodes(ctx, mode):
+    """sample.py --quantize=mode eager and compiled: their figures and the key."""
+    figures = dict(eager=decode(ctx, f"--quantize={mode}", "--compile=False"),
+                   compiled=decode(ctx, f"--quantize={mode}", "--compile=True"))
     figures["compiled_over_eager"] = round(figures["compiled"]["tokens_per_sec_after_8"] /
                                            figures["eager"]["tokens_per_sec_after_8"], 2)
     key = (f"{figures['eager']['tokens_per_sec_after_8']:,.1f} tokens/s eager, "
@@ -402,14 +582,108 @@ def row_int8(ctx):
     return figures, key
 
 
+def eval_figures(ctx, name, *settings):
+    """eval.py on train's checkpoint: the figures it writes to --out_json. --dtype is left at eval.py's default
+    (auto), as a user runs it: the figures are in the precision eval.py picks for this device."""
+    out_json = os.path.join(ctx.work, f"eval_{name}.json")
+    must(ctx, [ctx.python, EVAL, f"--out_dir={train_checkpoint(ctx)}", f"--device={ctx.device}",
+               f"--out_json={out_json}", *settings])
+    with open(out_json) as f:
+        return json.load(f)
+
+
+def lm_eval_missing(ctx):
+    """Why lm-eval cannot run here (the error of importing it), or None: it is optional, and not on every machine."""
+    returncode, output = run(ctx, [ctx.python, "-c", "import lm_eval"])
+    return error_line(output) if returncode != 0 else None
+
+
+def write_local_tasks(folder):
+    """The tasks gpu_check_choice and gpu_check_text in folder: YAML files over JSON lines files, in plain ASCII
+    (which shakespeare_char's vocabulary holds), so that nothing is downloaded."""
+    os.makedirs(folder, exist_ok=True)
+    choices = [("First Citizen:\nBefore we proceed any further, hear me", [" speak.", " sing.", " sleep."], 0),
+               ("ROMEO:\nBut soft, what light through yonder window", [" breaks?", " bends?", " burns?"], 0)]
+    texts = ["Now is the winter of our discontent\nMade glorious summer by this sun of York;"]
+    for name, task, lines in (("choice", CHOICE_TASK, [dict(question=q, choices=c, label=a) for q, c, a in choices]),
+                              ("text", TEXT_TASK, [dict(text=t) for t in texts])):
+        data = os.path.join(folder, f"{name}.jsonl")
+        with open(data, "w") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
+        with open(os.path.join(folder, f"{name}.yaml"), "w") as f:
+            f.write(task.format(data=data))
+
+
+def row_eval(ctx):
+    figures = eval_figures(ctx, "val")["text"]
+    if not math.isfinite(figures["bits_per_byte"]):
+        raise RowFailed(f"eval.py: {figures['bits_per_byte']} bits per byte on the val split", figures=figures)
+    key = f"{figures['bits_per_byte']:.4f} bits per byte on the val split"
+    missing = lm_eval_missing(ctx)
+    if missing:
+        return figures, key + f"; lm-eval tasks skipped: {missing}"
+    folder = os.path.join(ctx.work, "lm_eval_tasks")
+    write_local_tasks(folder)
+    results = eval_figures(ctx, "tasks", "--tasks=gpu_check_choice,gpu_check_text",
+                           f"--include_path={folder}")["tasks"]["results"]
+    figures.update(choice_acc=results["gpu_check_choice"]["acc,none"],
+                   text_bits_per_byte=results["gpu_check_text"]["bits_per_byte,none"])
+    if not math.isfinite(figures["text_bits_per_byte"]):
+        raise RowFailed(f"lm-eval: {figures['text_bits_per_byte']} bits per byte on gpu_check_text", figures=figures)
+    return figures, key + (f"; lm-eval tasks: gpu_check_choice acc {figures['choice_acc']:.2f}, gpu_check_text "
+                           f"{figures['text_bits_per_byte']:.4f} bits per byte")
+
+
+def row_int8(ctx):
+    # weight-only int8 (quantize.py): compiled, the int8 weights' cast fuses into the product (on a GPU at batch 1);
+    # eager, every step makes a float copy of each weight
+    return quantized_decodes(ctx, "int8")
+
+
+def row_w8a8(ctx):
+    # int8 weights and int8 rows, int8 x int8 products with integer sums: the CPU's int8 dot products. On a GPU its
+    # layers would run their own float32 product, and sample.py refuses it on CUDA
+    if ctx.kind != "cpu":
+        raise RowSkipped("w8a8 is a CPU mode; on a GPU use --quantize=int8")
+    return quantized_decodes(ctx, "w8a8")
+
+
 def row_graphs(ctx):
-    figures = dict(eager=decode(ctx), compiled=decode(ctx, "--compile=True"))
+    # eager said explicitly: sample.py compiles a model over 64 MB by default (engine.compiles_by_default)
+    figures = dict(eager=decode(ctx, "--compile=False"), compiled=decode(ctx, "--compile=True"))
     figures["compiled_over_eager"] = round(figures["compiled"]["tokens_per_sec_after_8"] /
                                            figures["eager"]["tokens_per_sec_after_8"], 2)
     key = (f"{figures['eager']['tokens_per_sec_after_8']:,.1f} tokens/s eager, "
            f"{figures['compiled']['tokens_per_sec_after_8']:,.1f} compiled: {figures['compiled_over_eager']}x "
            "(after the first 8 tokens)")
     return figures, key + ("" if ctx.cuda else "; no CUDA graphs on the CPU: compiled without them")
+
+
+def speculative_key(figures):
+    return (f"text as plain greedy decoding's; {figures['accepted']} of {figures['proposed']} drafted tokens kept, "
+            f"{figures['tokens_per_sec_after_8']:,.1f} tokens/s after the first 8")
+
+
+def row_lookup(ctx):
+    # prompt lookup: the context is the draft; compiled, it checks its proposals with a second compiled step shape
+    settings = ("--draft=lookup", "--compile=True")
+    figures = decode(ctx, *settings)
+    check_same_text(ctx.texts[settings], greedy_text(ctx, "--compile=True"), "--draft=lookup")
+    return figures, speculative_key(figures)
+
+
+def row_draft(ctx):
+    train_checkpoint(ctx)  # a draft is no use without the model it drafts for
+    # a draft as config/small_draft.py makes one: one block, the same data and tokenizer; eager, as its training
+    # speed is not the point here
+    draft_figures, _ = train_run(ctx, "draft", "--n_layer=1", "--compile=False")
+    # speculative decoding with a draft model runs eager (sample.py compiles none): the plain text to match is eager's
+    settings = (f"--draft={os.path.join(ctx.work, 'draft')}", "--compile=False")
+    figures = decode(ctx, *settings)
+    drop_checkpoint(ctx, "draft")
+    figures["draft_final_loss"] = draft_figures["final_loss"]
+    check_same_text(ctx.texts[settings], greedy_text(ctx, "--compile=False"), "--draft")
+    return figures, f"a 1-layer draft: {speculative_key(figures)}"
 
 
 # (name, the rows it needs to have passed, the row)
@@ -420,11 +694,18 @@ ROWS = [
     ("train", ["data"], row_train),
     ("ddp", ["data"], row_ddp),
     ("fsdp", ["data"], row_fsdp),
+    ("resume", ["data"], row_resume),  # these three compare with the train, ddp and fsdp rows' runs
+    ("resume_ddp", ["data"], row_resume_ddp),
+    ("resume_fsdp", ["data"], row_resume_fsdp),
     ("fp16", ["data"], row_fp16),
     ("bf16", ["data"], row_bf16),
     ("memory", ["data"], row_memory),
-    ("int8", [], row_int8),  # these two decode train's checkpoint: see decode
+    ("eval", [], row_eval),  # these read train's checkpoint: see train_checkpoint
+    ("int8", [], row_int8),
+    ("w8a8", [], row_w8a8),
     ("graphs", [], row_graphs),
+    ("lookup", [], row_lookup),  # these two after graphs, whose plain greedy texts they are compared with
+    ("draft", ["data"], row_draft),
 ]
 
 
@@ -557,9 +838,9 @@ def main():
         common=["--dataset=shakespeare_char", *(TINY_SHAPE if args.tiny else GPT2_SHAPE), f"--batch_size={batch}",
                 f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=2", "--log_interval=1",
                 "--warmup_iters=5", "--dropout=0.0", "--overwrite=True"],
-        python=sys.executable, work=work, log=os.path.join(work, "log.txt"),
-        timeout=positive_ints(args.timeout, "--timeout"), results={},
-        commands=[])
+        iters=iters, python=sys.executable, work=work, log=os.path.join(work, "log.txt"),
+        timeout=positive_ints(args.timeout, "--timeout"), results={}, commands=[],
+        texts={})  # sample.py's texts by their settings: see greedy_text
     card = re.sub(r"\W+", "_", ctx.name.split(" (")[0]).strip("_").lower()
     out = args.out or os.path.join(ROOT, "bench", f"gpu_check_{card}.json")
     report = dict(device=ctx.name, capability=ctx.capability, gpu=ctx.cuda, torch=torch.__version__,

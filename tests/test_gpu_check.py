@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -16,9 +17,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
-ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "fp16", "bf16", "memory", "int8", "graphs"]
+ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "resume", "resume_ddp", "resume_fsdp", "fp16", "bf16",
+        "memory", "eval", "int8", "w8a8", "graphs", "lookup", "draft"]
 TRAINING = ["train_eager", "train", "ddp", "fsdp", "fp16", "bf16"]
+RESUMED = {"resume": "train", "resume_ddp": "ddp", "resume_fsdp": "fsdp"}  # and the row each resumes the run of
 ITERS = 12  # --tiny's
+SCRIPTS = ("train.py", "sample.py", "eval.py")
+LM_EVAL = importlib.util.find_spec("lm_eval") is not None  # the eval row runs lm-eval tasks only where it imports
 
 
 def load_script():
@@ -66,34 +71,70 @@ def test_the_figures_are_sane(check):
     assert ITERS // 2 < rows["fp16"]["optimizer_steps"] <= ITERS and rows["fp16"]["scaler_scale"] > 0
     assert rows["train"]["speedup_over_eager"] > 0
     assert rows["memory"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # measured on CUDA only
-    for row in ("int8", "graphs"):
+    for row in ("int8", "w8a8", "graphs"):
         for decode in (rows[row]["eager"], rows[row]["compiled"]):
             assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
         assert rows[row]["compiled_over_eager"] > 0
+    # resumed halfway, each run's losses after it are the unbroken run's (read from that row's run), on the CPU to
+    # the last bit (measured: equal)
+    for name, unbroken in RESUMED.items():
+        figures = rows[name]
+        assert figures["resumed_at"] == ITERS // 2 and figures["iters"] == ITERS and figures["tolerance"] == 1e-5
+        assert figures["unbroken_final_loss"] == rows[unbroken]["final_loss"], name
+        assert figures["largest_difference"] <= 1e-5
+        assert abs(figures["final_loss"] - rows[unbroken]["final_loss"]) <= 1e-5, name
+    # bits per byte of the val split: characters are bytes, so it is the loss in bits; below a uniform guess's
+    assert rows["eval"]["tokens"] == rows["eval"]["bytes"] > 100_000
+    assert rows["eval"]["bits_per_byte"] == pytest.approx(rows["eval"]["loss"] / math.log(2), rel=1e-9)
+    assert 0 < rows["eval"]["bits_per_byte"] < math.log2(128)
+    if LM_EVAL:
+        assert 0 <= rows["eval"]["choice_acc"] <= 1 and 0 < rows["eval"]["text_bits_per_byte"] < math.inf
+    for row in ("lookup", "draft"):  # the drafts proposed tokens and some were kept: the text was not all the model's
+        assert rows[row]["tokens"] == 64 and 0 < rows[row]["accepted"] <= rows[row]["proposed"], row
+    assert math.isfinite(rows["draft"]["draft_final_loss"])
 
 
 def test_each_row_ran_the_command_a_user_would(check):
     rows = check.figures["rows"]
-    commands = [c for row in rows.values() for c in row["commands"] if "train.py" in c or "sample.py" in c]
-    assert len(commands) == 6 + 2 + 2 + 2 and all("--device=cpu" in c for c in commands), commands
+    commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
+    # training 6, resume 3 x 2, memory 2, eval 1 (+ 1 with lm-eval), int8 2, w8a8 2, graphs 2, lookup 1 (plain
+    # greedy's text is graphs'), draft 2 (training it, and decoding: plain greedy's text is graphs' too)
+    assert len(commands) == 6 + 6 + 2 + 1 + LM_EVAL + 2 + 2 + 2 + 1 + 2, commands
+    assert all("--device=cpu" in c for c in commands), commands
     assert "--nproc_per_node=2" in rows["ddp"]["commands"][0] and "--compile=True" in rows["ddp"]["commands"][0]
     assert "--fsdp=True --activation_checkpointing=True" in rows["fsdp"]["commands"][0]
+    # each resume trains its row's run (the same command, but for its out_dir) in two, on the same schedule
+    for name, unbroken in RESUMED.items():
+        half, resumed = (re.sub(r" --out_dir=\S+", "", c) for c in rows[name]["commands"])
+        unbroken_command = re.sub(r" --out_dir=\S+", "", rows[unbroken]["commands"][0])
+        assert half == unbroken_command + f" --max_iters={ITERS // 2} --lr_decay_iters={ITERS}", (half, unbroken)
+        assert resumed == unbroken_command + f" --init_from=resume --max_iters={ITERS} --lr_decay_iters={ITERS}"
     assert "--dtype=float16" in rows["fp16"]["commands"][0] and "--dtype=bfloat16" in rows["bf16"]["commands"][0]
-    assert "--quantize=int8 --compile=False" in rows["int8"]["commands"][0]
-    assert "--quantize=int8 --compile=True" in rows["int8"]["commands"][1]
-    assert "--compile=True" in rows["graphs"]["commands"][1]
+    assert "eval.py --out_dir=" in rows["eval"]["commands"][0]
+    assert rows["eval"]["commands"][1].endswith("-c 'import lm_eval'")  # whether lm-eval imports here
+    if LM_EVAL:
+        assert "--tasks=gpu_check_choice,gpu_check_text --include_path=" in rows["eval"]["commands"][2]
+    for mode in ("int8", "w8a8"):
+        assert f"--quantize={mode} --compile=False" in rows[mode]["commands"][0]
+        assert f"--quantize={mode} --compile=True" in rows[mode]["commands"][1]
+    assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
+    assert [c.split(" --device=cpu ")[1] for c in rows["lookup"]["commands"]] == ["--draft=lookup --compile=True"]
+    assert "train.py" in rows["draft"]["commands"][0]
+    assert rows["draft"]["commands"][0].endswith("--n_layer=1 --compile=False")
+    assert "--draft=" in rows["draft"]["commands"][1] and rows["draft"]["commands"][1].endswith("--compile=False")
 
 
 def test_the_summary_is_printed_saved_and_says_these_are_not_gpu_figures(check):
     summary = check.figures["summary"]
     assert "\n".join(summary) in check.result.stdout
     assert summary[0] == "gpu_check on CPU (no GPU: these are not GPU figures)"
-    assert summary[1].startswith(f"torch {torch.__version__}, no CUDA")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"  # a CUDA build without a GPU says so
+    assert summary[1].startswith(f"torch {torch.__version__}, {build}")
     assert summary[2].startswith("command: python bench/gpu_check.py --tiny")
     for name, line in zip(ROWS, summary[3:]):
         assert line.split()[:2] == [name, check.figures["rows"][name]["status"]]
     assert "compile unused: train.py compiles on CUDA only" in summary[ROWS.index("ddp") + 3]
-    assert summary[-1] == "rows: 10 PASS, 0 FAIL, 1 SKIP"
+    assert summary[-1] == "rows: 17 PASS, 0 FAIL, 1 SKIP"
     assert "not GPU figures" in check.figures["device"] and check.figures["gpu"] is False
 
 
@@ -192,6 +233,124 @@ def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
     assert ctx.results["bf16"]["key"] == "skipped: no bfloat16 (compute capability 7.5; 8.0 on has it)"
 
 
+def test_on_apple_mps_the_torchrun_rows_and_w8a8_are_skipped(tmp_path):
+    """torchrun needs gloo off CUDA, and gloo carries only cpu and cuda tensors: on MPS the ddp and fsdp rows and
+    their resumes are skipped, saying why, before any command runs; w8a8 is a CPU mode."""
+    gpu_check = load_script()
+    ctx = SimpleNamespace(kind="mps", cuda=False, log=str(tmp_path / "log.txt"), results={"data": dict(status="PASS")},
+                          commands=[], name="Apple MPS (test)", capability=None)
+    names = ["ddp", "fsdp", "resume_ddp", "resume_fsdp", "w8a8"]
+    gpu_check.run_rows(ctx, [row for row in gpu_check.ROWS if row[0] in names])
+    assert list(ctx.results) == ["data"] + names
+    gloo = "skipped: torchrun needs gloo here, and gloo carries only cpu and cuda tensors: not Apple MPS's"
+    assert [ctx.results[name].get("key") or ctx.results[name]["error"] for name in names] == [gloo] * 4 + [
+        "skipped: w8a8 is a CPU mode; on a GPU use --quantize=int8"]
+    assert all(ctx.results[name]["status"] == "SKIP" and ctx.results[name]["commands"] == [] for name in names)
+
+
+UNBROKEN = {i: 4.8 - 0.05 * i for i in range(1, ITERS + 1)}  # a run's losses by iteration, falling
+
+
+def resume_row(gpu_check, monkeypatch, tmp_path, kind, losses_after_resume):
+    """row_resume's result where train.py is faked: the train row's run logged UNBROKEN, and the resumed run logs
+    UNBROKEN's losses up to its resume, then losses_after_resume (iteration: loss)."""
+    def write_losses(name, losses):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(dict(iter=i, loss=loss)) + "\n"
+                                                               for i, loss in losses.items()))
+
+    def train_run(ctx, name, *settings, processes=None):
+        if "--init_from=resume" in settings:
+            write_losses(name, {i: loss for i, loss in UNBROKEN.items() if i <= ITERS // 2} | losses_after_resume)
+        return dict(final_loss=max(losses_after_resume.items())[1], precision="float32"), "output"
+
+    write_losses("train", UNBROKEN)
+    monkeypatch.setattr(gpu_check, "train_run", train_run)
+    ctx = SimpleNamespace(kind=kind, cuda=kind == "cuda", iters=ITERS, work=str(tmp_path), processes=1,
+                          results={"train": dict(status="PASS", figures=dict(final_loss=UNBROKEN[ITERS]))})
+    return gpu_check.row_resume(ctx)
+
+
+def test_a_resumed_run_whose_losses_are_not_the_unbroken_runs_fails(monkeypatch, tmp_path):
+    """What real breaks would do to the losses after the resume, in resume_row's faked runs: each fails the row; the
+    same losses pass, and so does a GPU's small drift between identical runs."""
+    gpu_check = load_script()
+    after = {i: loss for i, loss in UNBROKEN.items() if i > ITERS // 2}
+    figures, key = resume_row(gpu_check, monkeypatch, tmp_path, "cpu", after)
+    assert figures["largest_difference"] == 0 and figures["resumed_at"] == ITERS // 2
+    assert key == ("1 process: resumed at iter 6 of 12, losses 7-12 differ from the train row's by at most 0 "
+                   f"(tolerance 1e-05); loss {UNBROKEN[ITERS]:.4f}, float32")
+    breaks = {
+        # the schedule restarted: other learning rates after the resume, the last loss back where it was
+        "restarted schedule": after | {7: after[7] + 0.05, 8: after[8] + 0.07, 9: after[9] + 0.05},
+        "lost optimizer state": {i: loss - 0.004 * (i - 6) for i, loss in after.items()},
+        "a GPU's drift, on the CPU": {i: loss + 1e-3 for i, loss in after.items()},
+        "a missing iteration": {i: loss for i, loss in after.items() if i != 10},
+    }
+    for name, losses in breaks.items():
+        with pytest.raises(gpu_check.RowFailed) as failed:
+            resume_row(gpu_check, monkeypatch, tmp_path, "cpu", losses)
+        expected = "no loss logged at iter 10" if name == "a missing iteration" else "resumed at iter 6: loss "
+        assert str(failed.value).startswith(expected), (name, str(failed.value))
+    with pytest.raises(gpu_check.RowFailed) as failed:
+        resume_row(gpu_check, monkeypatch, tmp_path, "cpu", breaks["restarted schedule"])
+    assert str(failed.value) == ("resumed at iter 6: loss 4.470000 at iter 8, the train row's unbroken run 4.400000 "
+                                 "(0.07 apart, tolerance 1e-05)")
+    with pytest.raises(gpu_check.RowFailed, match=r"at iter 8, the train row's unbroken run 4.400000 \(0.07 apart"):
+        resume_row(gpu_check, monkeypatch, tmp_path, "cuda", breaks["restarted schedule"])
+    figures, _ = resume_row(gpu_check, monkeypatch, tmp_path, "cuda", breaks["a GPU's drift, on the CPU"])
+    assert figures["largest_difference"] == pytest.approx(1e-3) and figures["tolerance"] == 1e-2
+
+
+def speculative_row(gpu_check, monkeypatch, tmp_path, row, text):
+    """A decoding row's result where sample.py is faked: plain greedy decoding writes "ROMEO: the king", a
+    speculative run (--draft=...) writes text."""
+    def sample(ctx, *settings):
+        speculative = any(setting.startswith("--draft=") for setting in settings)
+        ctx.texts[settings] = text if speculative else "ROMEO: the king"
+        return ctx.texts[settings], ("64 tokens in 1.00 s (64.0 tokens/s; 70.0 after the first 8), "
+                                     "draft acceptance rate 50.0% (20/40)")
+
+    monkeypatch.setattr(gpu_check, "sample", sample)
+    monkeypatch.setattr(gpu_check, "train_run", lambda ctx, name, *settings: (dict(final_loss=4.2), ""))
+    (tmp_path / "train").mkdir(exist_ok=True)
+    (tmp_path / "train" / "ckpt.pt").write_bytes(b"")  # train's checkpoint, which the rows need
+    return row(SimpleNamespace(work=str(tmp_path), texts={}))
+
+
+@pytest.mark.parametrize("row", ["row_lookup", "row_draft"])
+def test_speculative_text_that_is_not_plain_greedy_decodings_fails(monkeypatch, tmp_path, row):
+    gpu_check = load_script()
+    figures, key = speculative_row(gpu_check, monkeypatch, tmp_path, getattr(gpu_check, row), "ROMEO: the king")
+    assert (figures["accepted"], figures["proposed"]) == (20, 40) and "text as plain greedy decoding's" in key
+    what = "--draft=lookup" if row == "row_lookup" else "--draft"
+    with pytest.raises(gpu_check.RowFailed) as failed:
+        speculative_row(gpu_check, monkeypatch, tmp_path, getattr(gpu_check, row), "ROMEO: the kinsman")
+    assert str(failed.value) == (f"{what}: its text parts from plain greedy decoding's at character 14: 'sman' "
+                                 "instead of 'g'")
+
+
+def test_the_eval_row_without_lm_eval_passes_on_bits_per_byte_and_says_why(monkeypatch, tmp_path):
+    """lm_eval_missing imports lm-eval as eval.py would (here made to fail by a module of that name on PYTHONPATH);
+    the row then reports the tasks skipped with that error, and passes on a finite bits per byte alone."""
+    gpu_check = load_script()
+    (tmp_path / "no_lm_eval").mkdir()
+    (tmp_path / "no_lm_eval" / "lm_eval.py").write_text("raise ImportError('no lm-eval on this machine')\n")
+    ctx = SimpleNamespace(python=sys.executable, work=str(tmp_path), log=str(tmp_path / "log.txt"), timeout=60,
+                          commands=[])
+    if LM_EVAL:
+        assert gpu_check.lm_eval_missing(ctx) is None
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "no_lm_eval"))
+    assert gpu_check.lm_eval_missing(ctx) == "ImportError: no lm-eval on this machine"
+    val = dict(bits_per_byte=6.05, loss=4.19)
+    monkeypatch.setattr(gpu_check, "eval_figures", lambda ctx, name, *settings: {"text": dict(val)})
+    assert gpu_check.row_eval(ctx) == (val, "6.0500 bits per byte on the val split; lm-eval tasks skipped: "
+                                            "ImportError: no lm-eval on this machine")
+    val["bits_per_byte"] = math.nan
+    with pytest.raises(gpu_check.RowFailed, match="eval.py: nan bits per byte on the val split"):
+        gpu_check.row_eval(ctx)
+
+
 # Where a CPU-only torch stops a command on faked CUDA: the first call that needs the CUDA runtime (an allocation),
 # or, for torchrun's processes, the NCCL process group (a CPU build has no NCCL): past the repo's own setup either way
 NO_CUDA_RUNTIME = "AssertionError: libcudart functions unavailable"
@@ -203,8 +362,9 @@ def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_
     """The whole check with each --device spelling on faked CUDA (inherited by every command through PYTHONPATH):
     each training command gets that device (torchrun's, for one named card, plain cuda: it is shown that card
     alone), gets through its setup and stops where a CPU-only torch must (its first CUDA allocation; NCCL under
-    torchrun); every row still runs, fails with the command's own error line and keeps its last lines, the decoding
-    rows fail for want of train's checkpoint, and the check exits 1 after its summary. A compute capability 7.5 card
+    torchrun); every row still runs, fails with the command's own error line and keeps its last lines, the resume
+    rows fail for want of the runs they resume (running nothing), the eval and decoding rows for want of train's
+    checkpoint, w8a8 is skipped (a CPU mode), and the check exits 1 after its summary. A compute capability 7.5 card
     (a T4) skips bf16 and runs FSDP in float32."""
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: its commands would get past the first allocation")
@@ -219,7 +379,7 @@ def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_
     assert list(rows) == ROWS and figures["summary"][0] == f"gpu_check on Fake GPU (cuda:{index} of 2 visible), " \
                                                           f"compute capability {capability[0]}.{capability[1]}"
     assert [rows[name]["status"] for name in ROWS] == \
-        ["SKIP", "PASS"] + ["FAIL"] * 5 + ["SKIP" if t4 else "FAIL"] + ["FAIL"] * 3
+        ["SKIP", "PASS"] + ["FAIL"] * 8 + ["SKIP" if t4 else "FAIL"] + ["FAIL"] * 3 + ["SKIP"] + ["FAIL"] * 3
     for name in ["train_eager", "train", "ddp", "fsdp", "fp16", "memory"] + ([] if t4 else ["bf16"]):
         row = rows[name]
         one_process = "torch.distributed.run" not in row["commands"][0]
@@ -231,7 +391,11 @@ def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_
         assert f"--device={spelling if one_process else torchrun_device}" in row["commands"][0], row["commands"]
     assert f"--nproc_per_node={processes}" in rows["ddp"]["commands"][0]
     assert rows["fsdp"]["commands"][0].endswith("--dtype=float32") == t4  # FSDP takes no float16; a T4 has no bf16
-    assert rows["int8"]["error"] == rows["graphs"]["error"] == "needs the train row, which failed before writing " \
-                                                               "its checkpoint"
+    for name, unbroken in RESUMED.items():
+        assert rows[name]["error"] == f"needs the {unbroken} row's losses to compare with, and it logged none"
+        assert rows[name]["commands"] == []
+    for name in ("eval", "int8", "graphs", "lookup", "draft"):
+        assert rows[name]["error"] == "needs the train row, which failed before writing its checkpoint", name
+    assert rows["w8a8"]["key"] == "skipped: w8a8 is a CPU mode; on a GPU use --quantize=int8"
     assert "\n".join(figures["summary"]) in result.stdout
-    assert figures["summary"][-1] == f"rows: 1 PASS, {8 if t4 else 9} FAIL, {2 if t4 else 1} SKIP"
+    assert figures["summary"][-1] == f"rows: 1 PASS, {14 if t4 else 15} FAIL, {3 if t4 else 2} SKIP"
