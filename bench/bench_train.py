@@ -24,7 +24,7 @@ import torch
 
 from configurator import ConfigError, configure
 from data.shards import DataError, find_shards
-from bench_sample import cpu_model
+from bench.bench_sample import cpu_model  # bench/ as a package: works run as a script and imported (experiments/)
 from train import DEFAULTS
 
 WARMUP_LOGS = 2  # the first logs carry one-time costs (allocator warm-up; torch.compile on CUDA)

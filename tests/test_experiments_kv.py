@@ -4,15 +4,20 @@ and MQA shrink the KV cache by n_head / n_kv_head), not their timings, which the
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from experiments import kv_cache, kv_heads
 from model import GPT, GPTConfig
+from test_train import workdir  # noqa: F401 (a fixture)
 from tokenizer import Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny(**overrides):
@@ -71,3 +76,39 @@ def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch, devi
 
     model, _ = load_model(out_dir)
     assert model.config.n_kv_head == 1  # the run's setting reached the model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Both scripts end to end, as experiments/README.md runs them (at a tiny size)
+
+
+def test_kv_cache_runs_as_a_script():
+    """`python experiments/kv_cache.py` imports the machine line from bench/ (it failed at start when bench_train
+    imported bench_sample as a top-level module): the small shape, one repeat, every context a row."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kv_cache.py"), "--shape=small",
+                             "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("machine: ")
+    rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["64"], ["128"])]
+    assert [row[0] for row in rows] == ["64", "128"] and all(float(row[-1]) < 1e-4 for row in rows), result.stdout
+
+
+def test_kv_heads_runs_its_four_trainings_and_prints_the_table(workdir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """kv_heads.main as `python experiments/kv_heads.py` runs it (its working directory the one holding data/: here a
+    tiny dataset's, not the repo's), with tiny training settings passed through to train.py."""
+    monkeypatch.setattr(kv_heads, "ROOT", str(workdir))
+    monkeypatch.setattr(sys, "argv", ["kv_heads.py", f"--config={os.path.join(ROOT, 'config', 'small.py')}",
+                                      f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=4", "--eval_iters=1",
+                                      "--n_layer=1", "--n_head=4", "--n_embd=32", "--block_size=32", "--batch_size=2",
+                                      "--device=cpu", "--compile=False", "--warmup_iters=1"])
+    cwd = os.getcwd()
+    try:
+        kv_heads.main()
+    finally:
+        os.chdir(cwd)
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[:1] in (["kv4"], ["kv2"], ["kv1"], ["kv4-seed2"])}
+    assert list(rows) == ["kv4", "kv2", "kv1", "kv4-seed2"]
+    kv_bytes = {name: int(row[4].replace(",", "")) for name, row in rows.items()}
+    assert kv_bytes["kv4"] == 2 * kv_bytes["kv2"] == 4 * kv_bytes["kv1"] == kv_bytes["kv4-seed2"]
