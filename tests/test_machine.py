@@ -78,28 +78,26 @@ def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
     assert cpu.check() is None and torch.get_num_threads() == 2
 
 
+# The two tests below create load and assert only what that load makes true, whatever else the machine runs (a
+# test suite beside them, a build): that a quiet machine reads as quiet and says nothing is shown with counters the
+# tests set (test_the_run_follows_the_load_and_says_so_once), since no test can make a machine quiet.
+
+
 def test_the_counters_see_a_real_load():
-    def others_over(seconds):
-        before = cpu_counters()
-        subprocess.run(["sleep", str(seconds)])
-        return busy_cores(before, cpu_counters(), os.cpu_count())
-
-    quiet = others_over(0.5)
+    before = cpu_counters()
     with every_core_busy():
-        busy = others_over(0.5)
-    assert quiet < 0.5 and busy > os.cpu_count() - 0.5, (quiet, busy)
+        subprocess.run(["sleep", "0.5"])
+        busy = busy_cores(before, cpu_counters(), os.cpu_count())
+    assert busy > os.cpu_count() - 0.5, busy
 
 
-def test_train_says_once_that_the_machine_is_busy_and_only_then(workdir, tmp_path):  # noqa: F811
+def test_train_says_once_that_the_machine_is_busy(workdir, tmp_path):  # noqa: F811
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's own thread count
     command = [sys.executable, TRAIN, *TINY, "--max_iters=4", "--eval_interval=4", "--overwrite=True"]
-    quiet = subprocess.run([*command, f"--out_dir={tmp_path / 'quiet'}"], cwd=workdir, env=env, capture_output=True,
-                           text=True, timeout=120)
     with every_core_busy():
         busy = subprocess.run([*command, f"--out_dir={tmp_path / 'busy'}"], cwd=workdir, env=env,
                               capture_output=True, text=True, timeout=120)
-    assert quiet.returncode == busy.returncode == 0, quiet.stderr + busy.stderr
-    assert "this machine is" not in quiet.stdout
+    assert busy.returncode == 0, busy.stderr
     lines = [line for line in busy.stdout.splitlines() if line.startswith("this machine is")]
     if os.cpu_count() > 1:
         assert len(lines) == 1 and "busier than its cores" in lines[0] and "takes 1 thread" in lines[0], busy.stdout
