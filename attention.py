@@ -23,12 +23,12 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError, load_model, resolve_device
+from gpt.checkpoint import CheckpointError, load_model, resolve_device
 from configurator import ConfigError, configure
-from files import atomic_open, write_failure
+from gpt.files import atomic_open, write_failure
 from model import CausalSelfAttention, can_attend
 from sample import SampleError, read_prompt
-from tokenizer import Tokenizer, TokenizerError
+from gpt.tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)

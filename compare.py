@@ -34,8 +34,8 @@ import subprocess
 import sys
 
 from configurator import ConfigError, configure
-from data.shards import DataError, load_meta
-from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
+from gpt.shards import DataError, load_meta
+from gpt.files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "train.py")

@@ -24,13 +24,13 @@ import sys
 import numpy as np
 import torch
 
-from checkpoint import CheckpointError, load_run, resolve_device, resolve_dtype
+from gpt.checkpoint import CheckpointError, load_run, resolve_device, resolve_dtype
 from configurator import ConfigError, configure
-from data.shards import DataError, find_shards, read_shard
-from engine import token_logprobs
-from files import atomic_open, write_failure
-from quantize import QuantizeError, check_quantize, quantize
-from tokenizer import Tokenizer, TokenizerError
+from gpt.shards import DataError, find_shards, read_shard
+from gpt.engine import token_logprobs
+from gpt.files import atomic_open, write_failure
+from gpt.quantize import QuantizeError, check_quantize, quantize
+from gpt.tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -128,7 +128,7 @@ def score_text(settings, model, tokenizer, dataset):
 def run_tasks(settings, model, tokenizer):
     """lm-eval's results for --tasks, after its table is printed."""
     try:
-        import harness  # lm-eval is optional: only tasks need it
+        from gpt import harness  # lm-eval is optional: only tasks need it
         from lm_eval.utils import make_table
     except ImportError:
         raise EvalError(LM_EVAL_MISSING) from None

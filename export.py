@@ -22,10 +22,10 @@ import tempfile
 
 import torch
 
-from checkpoint import CheckpointError, load_model
+from gpt.checkpoint import CheckpointError, load_model
 from configurator import ConfigError, configure
-from files import atomic_open
-from tokenizer import TokenizerError, byte_to_unicode, named_encoding
+from gpt.files import atomic_open
+from gpt.tokenizer import TokenizerError, byte_to_unicode, named_encoding
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)

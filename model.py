@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import sdpa  # which of SDPA's kernels take grouped-query attention on which card
+from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card
 
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 

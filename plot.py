@@ -19,7 +19,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
 
-from files import atomic_open, read_jsonl, write_failure
+from gpt.files import atomic_open, read_jsonl, write_failure
 
 
 class PlotError(Exception):

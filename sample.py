@@ -25,14 +25,14 @@ import time
 
 import torch
 
-from checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
+from gpt.checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
                         train_command)
 from configurator import ConfigError, configure
-from engine import Samples, compiles_by_default, decode_batch, decode_lookup, decode_speculative
-from kernels import cache_dir
+from gpt.engine import Samples, compiles_by_default, decode_batch, decode_lookup, decode_speculative
+from gpt.kernels import cache_dir
 from model import check_sampling
-from quantize import QuantizeError, check_quantize, quantize
-from tokenizer import Tokenizer, TokenizerError
+from gpt.quantize import QuantizeError, check_quantize, quantize
+from gpt.tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)

@@ -25,16 +25,16 @@ from dataclasses import asdict, fields, replace
 import torch
 import torch.distributed as dist
 
-from checkpoint import (CheckpointError, load_checkpoint, load_hf, load_weights, resolve_device, resolve_dtype,
+from gpt.checkpoint import (CheckpointError, load_checkpoint, load_hf, load_weights, resolve_device, resolve_dtype,
                         save_checkpoint)
 from configurator import ConfigError, configure
-from data.shards import DataError, ShardLoader, check_vocab, load_meta
-from files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
-from machine import SharedCpu
+from gpt.shards import DataError, ShardLoader, check_vocab, load_meta
+from gpt.files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
+from gpt.machine import SharedCpu
 from model import GPT, GPTConfig
-from parallel import (checkpoint_blocks, compile_blocks, file_from_rank0, full_model_state, full_optimizer_states,
+from gpt.parallel import (checkpoint_blocks, compile_blocks, file_from_rank0, full_model_state, full_optimizer_states,
                       gradient_sync, load_optimizer_states, shard, whole_root, wrap_ddp)
-from tokenizer import Tokenizer, TokenizerError
+from gpt.tokenizer import Tokenizer, TokenizerError
 
 # The model settings are GPTConfig's fields (defined and checked there), with a smaller model by default;
 # vocab_size 0 means the dataset's, rounded up to a multiple of 64.
@@ -540,7 +540,7 @@ def task_runner(settings, meta):
     if not names:
         return None
     try:
-        import harness  # lm-eval is optional: only tasks need it
+        from gpt import harness  # lm-eval is optional: only tasks need it
     except ImportError:
         raise TrainError("eval_tasks needs lm-eval, which is not installed; install it with: pip install lm-eval") from None
     tokenizer = Tokenizer(meta)

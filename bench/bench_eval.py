@@ -24,15 +24,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np
 import torch
 
-from bench_train import machine
-from checkpoint import load_model
+from bench.bench_train import machine
+from gpt.checkpoint import load_model
 from export import export_hf
 from model import GPT, GPTConfig
-from tokenizer import GPT2_META, Tokenizer
+from gpt.tokenizer import GPT2_META, Tokenizer
 
 SHAPES = {  # config/shakespeare_bpe.py's model, and GPT-2 small's
     "small": dict(block_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=128),
@@ -114,7 +113,7 @@ def main():
     import lm_eval.tasks
     from lm_eval.models.huggingface import HFLM
 
-    import harness
+    from gpt import harness
 
     if args.out_dir:
         model, meta = load_model(args.out_dir)

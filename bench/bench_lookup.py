@@ -22,11 +22,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
-import engine
-import kernels
-from checkpoint import load_model
-from quantize import quantize
-from tokenizer import Tokenizer
+from gpt import engine
+from gpt import kernels
+from gpt.checkpoint import load_model
+from gpt.quantize import quantize
+from gpt.tokenizer import Tokenizer
 
 MODES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None), "int8": (torch.float32, "int8"),
          "int8 bf16": (torch.bfloat16, "int8"), "w8a8": (torch.float32, "w8a8")}

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from bench_sample import cpu_model, machine
 from model import GPT, GPTConfig
-from parallel import checkpoint_blocks, shard, wrap_ddp
+from gpt.parallel import checkpoint_blocks, shard, wrap_ddp
 from train import make_optimizers
 
 MB = 1e6

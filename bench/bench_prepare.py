@@ -17,7 +17,7 @@ import time
 os.environ.setdefault("TQDM_DISABLE", "1")  # the figures below are the output; no progress bars between them
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run as a script: make `data` importable
 from data.fineweb import prepare
-from data.shards import read_shard
+from gpt.shards import read_shard
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "data", "shakespeare", "input.txt")
 

@@ -22,10 +22,10 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
 from bench_sample import MODES, cpu_model, in_mode, machine, settings_for
-from checkpoint import load_checkpoint, model_from_checkpoint
-from engine import decode_batch, token_predictions
+from gpt.checkpoint import load_checkpoint, model_from_checkpoint
+from gpt.engine import decode_batch, token_predictions
 from eval import bits_per_byte, val_tokens
-from tokenizer import Tokenizer
+from gpt.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 32
 

@@ -33,11 +33,11 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 import torch.nn as nn
 
-from checkpoint import load_model
-from engine import Samples, decode_batch, decode_speculative
+from gpt.checkpoint import load_model
+from gpt.engine import Samples, decode_batch, decode_speculative
 from model import GPT, GPTConfig
-from quantize import quantize
-from tokenizer import Tokenizer
+from gpt.quantize import quantize
+from gpt.tokenizer import Tokenizer
 
 SHORT_PROMPT = 16
 SPEC_K = 4  # draft tokens per speculative step, sample.py's default

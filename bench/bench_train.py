@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)  # run as a script: make train.py and `data` importable
 import torch
 
 from configurator import ConfigError, configure
-from data.shards import DataError, find_shards
+from gpt.shards import DataError, find_shards
 from bench.bench_sample import cpu_model  # bench/ as a package: works run as a script and imported (experiments/)
 from train import DEFAULTS
 

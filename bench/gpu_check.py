@@ -75,7 +75,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
-from files import atomic_open
+from gpt.files import atomic_open
 
 TRAIN, SAMPLE, EVAL = (os.path.join(ROOT, name) for name in ("train.py", "sample.py", "eval.py"))
 GPT2_SHAPE = ["--n_layer=12", "--n_head=12", "--n_kv_head=4", "--n_embd=768", "--block_size=1024", "--vocab_size=50304",

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch
 import torch.nn as nn
 
-from engine import last_logits, prefill
+from gpt.engine import last_logits, prefill
 from model import GPT, GPTConfig
 
 SHAPES = {  # GPT-2 small's (the size where the time shows), and config/small.py's

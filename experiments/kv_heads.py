@@ -23,9 +23,9 @@ sys.path.insert(0, ROOT)  # run as a script
 import torch
 
 import train
-from checkpoint import load_model
-from engine import Samples, decode_batch
-from tokenizer import Tokenizer
+from gpt.checkpoint import load_model
+from gpt.engine import Samples, decode_batch
+from gpt.tokenizer import Tokenizer
 
 RUNS = [("kv4", 4, 1337), ("kv2", 2, 1337), ("kv1", 1, 1337), ("kv4-seed2", 4, 1338)]  # name, n_kv_head, seed
 

@@ -33,10 +33,10 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_model
+from gpt.checkpoint import CheckpointError, load_model
 from data.shakespeare.prepare import split_text
 from model import GPT
-from tokenizer import Tokenizer, TokenizerError
+from gpt.tokenizer import Tokenizer, TokenizerError
 
 SETTINGS = [(True, True), (True, False), (False, True), (False, False)]  # (RoPE, causal mask)
 

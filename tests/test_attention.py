@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import attention
-from checkpoint import save_checkpoint
+from gpt.checkpoint import save_checkpoint
 from model import GPT, GPTConfig, can_attend
-from tokenizer import char_meta
+from gpt.tokenizer import char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-import checkpoint
+from gpt import checkpoint
 import train
-from checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
+from gpt.checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
 from configurator import configure
 from test_train import ROOT, TINY, in_dir, records, workdir  # noqa: F401 (workdir is a fixture)
 

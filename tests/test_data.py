@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from data.shakespeare import prepare as shakespeare
-from data.shards import DataError, ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
-from files import atomic_open
-from tokenizer import named_encoding
+from gpt.shards import DataError, ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
+from gpt.files import atomic_open
+from gpt.tokenizer import named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_PATH = os.path.join(ROOT, "data", "shakespeare", "input.txt")

@@ -9,7 +9,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-import engine
+from gpt import engine
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -170,7 +170,7 @@ def test_a_model_compiles_by_default_when_large_or_int8_on_a_cpu_and_on_cuda(mon
     COMPILE_BY_DEFAULT_BYTES or int8 ones; a small float model's eager step is faster from launch to exit. A CUDA model
     is made of FakeTensorMode's CUDA tensors (no GPU, no memory: torch's own fake, which a CPU-only build carries)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from quantize import quantize
+    from gpt.quantize import quantize
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
     model = GPT(config)
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
@@ -193,7 +193,7 @@ def test_compiled_steps_of_models_of_the_same_shapes_each_decode_their_own_text(
     compiled code must then serve that call only. Two models with the same weights but another window (a constant
     of the traced graph, not a tensor) decode, compiled one after the other in one process, what each decodes eager
     (aot_eager: dynamo's guards and graphs, without inductor's compile time)."""
-    from tokenizer import Tokenizer, char_meta
+    from gpt.tokenizer import Tokenizer, char_meta
     tokenizer, torch_compile = Tokenizer(char_meta("abcdefgh")), torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(fn, **{**kwargs, "backend": "aot_eager"}))
     torch._dynamo.reset()

@@ -16,7 +16,7 @@ import eval as evaluate
 import train
 from data.shakespeare import prepare as prepare_bpe
 from model import GPT, GPTConfig
-from tokenizer import GPT2_META, Tokenizer, char_meta
+from gpt.tokenizer import GPT2_META, Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -108,8 +108,8 @@ def test_val_split_figures_go_to_stdout_and_json(bpe_run, device):
     assert figures["source"] == "data/shakespeare val split" and figures["tokens"] == 500
     assert f"{figures['bits_per_byte']:.4f} bits per byte" in result.stdout
     # the same figure by hand: the model of the checkpoint on the first 501 val tokens, in windows of 32 + 1
-    from checkpoint import load_model
-    from data.shards import find_shards, read_shard
+    from gpt.checkpoint import load_model
+    from gpt.shards import find_shards, read_shard
 
     model, meta = load_model(str(bpe_run / "out"), device)
     tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:501]]
@@ -124,8 +124,8 @@ def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run):
     """--dtype=bfloat16 (auto's choice on CUDA): float32 weights and residual stream, the matrix products in bfloat16
     under autocast, as train.py's val loss is computed; not the model cast to bfloat16 whole, whose figure was
     comparable with neither. The CPU's autocast stands in for the GPU's."""
-    from checkpoint import load_model
-    from data.shards import find_shards, read_shard
+    from gpt.checkpoint import load_model
+    from gpt.shards import find_shards, read_shard
 
     result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=200", "--dtype=bfloat16", "--device=cpu",
                       "--out_json=bf16.json")
@@ -216,7 +216,7 @@ def write_local_tasks(folder):
 
 def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path, device):
     pytest.importorskip("lm_eval")
-    import harness
+    from gpt import harness
 
     write_local_tasks(tmp_path)
     out_dir = tmp_path / "run"
@@ -235,7 +235,7 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
     assert all("tiny_choice/acc" in r and "tiny_text/bits_per_byte" in r for r in evals)
     assert evals[0]["tiny_text/bits_per_byte"] != evals[-1]["tiny_text/bits_per_byte"]  # the model trained
     # the figures logged at iteration 4 are the checkpoint's (saved at 4), scored again here
-    from checkpoint import load_model
+    from gpt.checkpoint import load_model
 
     model, meta = load_model(str(out_dir), device)
     again = harness.run_tasks(model, Tokenizer(meta), ["tiny_choice", "tiny_text"], include_path=str(tmp_path))

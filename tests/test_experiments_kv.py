@@ -13,7 +13,7 @@ import torch
 from experiments import kv_cache, kv_heads
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401 (a fixture)
-from tokenizer import Tokenizer, char_meta
+from gpt.tokenizer import Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -72,7 +72,7 @@ def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch, devi
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         evals = [json.loads(line) for line in f if "val_loss" in line]
     assert [r["iter"] for r in evals] == [0, 2, 4] and kv_heads.final_val_loss(out_dir) == evals[-1]["val_loss"]
-    from checkpoint import load_model
+    from gpt.checkpoint import load_model
 
     model, _ = load_model(out_dir)
     assert model.config.n_kv_head == 1  # the run's setting reached the model

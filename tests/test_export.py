@@ -23,11 +23,11 @@ transformers = pytest.importorskip("transformers")  # in requirements-dev.txt; C
 
 import sample  # noqa: E402
 import train  # noqa: E402
-from checkpoint import CheckpointError, gpt_config, load_hf, load_model  # noqa: E402
+from gpt.checkpoint import CheckpointError, gpt_config, load_hf, load_model  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
 from export import ConvertError, export_hf, hf_config, tokenizer_json  # noqa: E402
 from model import GPT, GPTConfig, rope  # noqa: E402
-from tokenizer import Tokenizer, named_encoding  # noqa: E402
+from gpt.tokenizer import Tokenizer, named_encoding  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

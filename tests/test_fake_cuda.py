@@ -17,7 +17,7 @@ import attention
 import eval as eval_script
 import export
 import sample
-from checkpoint import CheckpointError, resolve_device, resolve_dtype
+from gpt.checkpoint import CheckpointError, resolve_device, resolve_dtype
 from conftest import fake_cuda_site
 from test_train import TINY, in_dir, train_main, trained, workdir  # noqa: F401 (fixtures)
 

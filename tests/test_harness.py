@@ -11,9 +11,9 @@ import json
 import pytest
 import torch
 
-from engine import continuation_logprobs, sequence_logprobs, token_logprobs
+from gpt.engine import continuation_logprobs, sequence_logprobs, token_logprobs
 from model import GPT, GPTConfig
-from tokenizer import GPT2_META, Tokenizer
+from gpt.tokenizer import GPT2_META, Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -53,7 +53,7 @@ metric_list: [{{metric: bits_per_byte}}]
 def harness():
     """harness.py, which needs lm-eval."""
     pytest.importorskip("lm_eval")
-    import harness
+    from gpt import harness
 
     return harness
 

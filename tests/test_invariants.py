@@ -29,8 +29,8 @@ from dataclasses import asdict, fields, replace
 import pytest
 import torch
 
-import checkpoint
-import engine
+from gpt import checkpoint
+from gpt import engine
 import export
 import model as model_py  # the module: the live tests swap its can_attend
 from model import GPT, MLP_KINDS, GPTConfig

@@ -16,9 +16,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels
+from gpt import kernels
 from model import GPT, GPTConfig
-from quantize import Int8WeightOnlyLinear, W8A8Linear
+from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +121,7 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
     """oneDNN's int8 products without VNNI (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only CPU runs) sum pairs of
     products in int16, which saturates: measured on an AMD EPYC, 127 x 127 x 768 came out as 97920. The check in
     usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows."""
-    script = ("import torch, torch.nn as nn, kernels; from quantize import W8A8Linear; torch.manual_seed(0); "
+    script = ("import torch, torch.nn as nn; from gpt import kernels; from gpt.quantize import W8A8Linear; torch.manual_seed(0); "
               "layer = W8A8Linear(nn.Linear(768, 64)); print(kernels.usable_kernels(layer, 8, compiled=False)); "
               "x, weight = torch.full((1, 768), 127, dtype=torch.int8), torch.full((64, 768), 127, dtype=torch.int8); "
               "print(int(kernels.int_mm_linear(x, weight, None)[0, 0]))")

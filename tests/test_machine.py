@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from machine import SharedCpu, busy_cores, cpu_counters, threads_for
+from gpt.machine import SharedCpu, busy_cores, cpu_counters, threads_for
 from test_train import TINY, TRAIN, workdir  # noqa: F401 (workdir is a fixture)
 
 SPIN = "import time\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"  # bounded, whatever happens

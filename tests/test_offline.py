@@ -15,7 +15,7 @@ import tiktoken
 import tiktoken.load
 from tiktoken_ext import openai_public
 
-from tokenizer import GPT2_META, Tokenizer, named_encoding
+from gpt.tokenizer import GPT2_META, Tokenizer, named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_FILES = os.path.join(ROOT, "tokenizer_files", "gpt2")
@@ -114,7 +114,7 @@ def test_gpt2_tokenizer_offline_encodes_as_tiktoken_without_trying_the_network(t
     code = """if True:
         import json, sys, time
         start = time.perf_counter()
-        from tokenizer import GPT2_META, Tokenizer
+        from gpt.tokenizer import GPT2_META, Tokenizer
         tokenizer = Tokenizer(GPT2_META)
         ids = tokenizer.encode(sys.argv[1], special_tokens=True), tokenizer.encode(sys.argv[1])
         print(json.dumps(dict(ids=ids, text=tokenizer.decode(ids[0]), seconds=time.perf_counter() - start)))"""
@@ -140,7 +140,7 @@ def test_bpe_prepare_and_sample_work_offline(tmp_path):
     result = run_offline(tmp_path, "data/shakespeare/prepare.py", "--out_dir", str(tmp_path / "data"))
     assert result.returncode == 0 and "network use" not in result.stderr, result.stderr
     assert json.loads((tmp_path / "data" / "meta.json").read_text()) == GPT2_META
-    from data.shards import read_shard
+    from gpt.shards import read_shard
 
     tokens = [read_shard(tmp_path / "data" / f"shakespeare_{split}_000000.bin").tolist() for split in ("train", "val")]
     with open(os.path.join(ROOT, "data", "shakespeare", "input.txt"), encoding="utf-8") as f:
@@ -150,7 +150,7 @@ def test_bpe_prepare_and_sample_work_offline(tmp_path):
     n_train = len(text) * 9 // 10
     assert tokens == [reference.encode_ordinary(text[:n_train]), reference.encode_ordinary(text[n_train:])]
 
-    from checkpoint import save_checkpoint
+    from gpt.checkpoint import save_checkpoint
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))

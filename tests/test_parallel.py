@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import train
 from model import GPT, GPTConfig
-from parallel import by_index, by_name, checkpoint_blocks, full_optimizer_states, load_optimizer_states, shard
+from gpt.parallel import by_index, by_name, checkpoint_blocks, full_optimizer_states, load_optimizer_states, shard
 from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
                         workdir)  # noqa: F401
 
@@ -153,7 +153,7 @@ def test_a_run_resumes_on_nodes_that_share_no_filesystem(runs, workdir, tmp_path
 
 SEND_A_FILE = r"""import os, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import parallel
+from gpt import parallel
 parallel.BROADCAST_CHUNK = 1000
 sizes, broadcast = [], dist.broadcast
 dist.broadcast = lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src)
@@ -284,7 +284,7 @@ FSDP_RESUMES_A_CPU_RUN = r"""import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
 import train
 from model import GPT
-from parallel import load_optimizer_states, shard
+from gpt.parallel import load_optimizer_states, shard
 from test_parallel import UNTIED, cpu_run_optimizer_states
 _, states, _ = cpu_run_optimizer_states()  # the same on both ranks
 dist.init_process_group("gloo")
@@ -351,7 +351,7 @@ BYTES_PER_PROCESS = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {root!r})
 from model import GPT, GPTConfig
-from parallel import shard, wrap_ddp
+from gpt.parallel import shard, wrap_ddp
 dist.init_process_group("gloo")
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))

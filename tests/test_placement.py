@@ -22,8 +22,8 @@ import torch.fx.experimental._config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import engine
-from data.shards import ShardLoader, write_shard
+from gpt import engine
+from gpt.shards import ShardLoader, write_shard
 from model import GPT, GPTConfig, greedy, sample_next_token, sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

@@ -27,15 +27,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-import engine
+from gpt import engine
 import eval as evaluate
-import kernels
+from gpt import kernels
 import sample
 from model import GPT, GPTConfig
-from quantize import Int8WeightOnlyLinear, W8A8Linear, quantize, quantize_rows, replace_linears
+from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, quantize, quantize_rows, replace_linears
 from test_engine import ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold, first_two_token_probs, \
     spec_models, speculative_counts
-from tokenizer import Tokenizer, char_meta
+from gpt.tokenizer import Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 # On the CPU whatever TEST_DEVICE: the runs below measure the CPU's int8 (Int8WeightOnlyLinear and kernels.py's
@@ -549,7 +549,7 @@ def test_w8a8_off_the_cpu_is_refused_before_the_model_loads(fake_cuda, script, t
     """w8a8's int8 products have kernels on a CPU only: on a GPU its layers would multiply a float32 copy of every
     weight each step, slower than plain float32, so sample.py and eval.py say so instead (CUDA faked at torch's C
     boundary; no checkpoint needed: the refusal comes first). int8 gets past the check to the missing checkpoint."""
-    from quantize import QuantizeError
+    from gpt.quantize import QuantizeError
     fake_cuda()
     for device in ("cuda", "mps"):
         with pytest.raises(QuantizeError, match=rf"^--quantize=w8a8 is a CPU mode \(on {device} it would multiply a "

@@ -22,12 +22,12 @@ from dataclasses import asdict
 import pytest
 import torch
 
-import engine
+from gpt import engine
 import sample
 from configurator import ConfigError
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
-from tokenizer import named_encoding
+from gpt.tokenizer import named_encoding
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -647,7 +647,7 @@ def test_a_bad_input_in_a_separate_process_is_one_line_without_traceback(process
 def test_the_speed_after_the_first_tokens_leaves_out_a_slow_start(monkeypatch):
     """sample.py's second speed figure: 8 tokens that take 10 s each (compiling, recording CUDA graphs), then 0.1 s
     each: 10 tokens/s from the 8th token on, whatever the start cost."""
-    import engine
+    from gpt import engine
 
     clock = iter([10.0 * i for i in range(1, 9)] + [80 + 0.1 * i for i in range(1, 33)])
     monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import model as model_py  # the module: tests swap its attention
-import sdpa  # the module: tests swap its sdpa_fuses_gqa
+from gpt import sdpa  # the module: tests swap its sdpa_fuses_gqa
 from model import GPT, GPTConfig, attention
-from sdpa import sdpa_fuses_gqa
+from gpt.sdpa import sdpa_fuses_gqa
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

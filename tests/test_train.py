@@ -25,9 +25,9 @@ import torch
 
 import model as model_module
 import train
-from checkpoint import CheckpointError
+from gpt.checkpoint import CheckpointError
 from conftest import DEVICE
-from data.shards import ShardLoader
+from gpt.shards import ShardLoader
 from data.shakespeare_char import prepare as prepare_char
 from model import GPT, GPTConfig
 

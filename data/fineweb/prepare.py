@@ -27,8 +27,8 @@ from datasets import load_dataset
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from data.shards import DataError, dataset_file, write_meta, write_shard
-from tokenizer import GPT2_META, Tokenizer, TokenizerError
+from gpt.shards import DataError, dataset_file, write_meta, write_shard
+from gpt.tokenizer import GPT2_META, Tokenizer, TokenizerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}  # extension -> datasets builder

@@ -13,8 +13,8 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from data.shards import DataError, dataset_file, write_meta, write_shard
-from tokenizer import GPT2_META, Tokenizer, TokenizerError
+from gpt.shards import DataError, dataset_file, write_meta, write_shard
+from gpt.tokenizer import GPT2_META, Tokenizer, TokenizerError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "input.txt")

@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shakespeare.prepare import read_text, write_splits
-from data.shards import DataError
-from tokenizer import Tokenizer, TokenizerError, char_meta
+from gpt.shards import DataError
+from gpt.tokenizer import Tokenizer, TokenizerError, char_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL_TEXT = os.path.join(HERE, "input.txt")

@@ -22,8 +22,8 @@ import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
-from engine import Samples, continuation_logprobs, decode_batch, sequence_logprobs, token_logprobs
-from tokenizer import TokenizerError
+from gpt.engine import Samples, continuation_logprobs, decode_batch, sequence_logprobs, token_logprobs
+from gpt.tokenizer import TokenizerError
 
 
 class HarnessError(Exception):

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from files import atomic_open, write_failure
+from gpt.files import atomic_open, write_failure
 from model import GPT, GPTConfig
-from tokenizer import TokenizerError, tokenizer_json_meta
+from gpt.tokenizer import TokenizerError, tokenizer_json_meta
 
 
 class CheckpointError(Exception):

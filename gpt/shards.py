@@ -16,8 +16,8 @@ import shlex
 import numpy as np
 import torch
 
-from files import atomic_open, write_failure
-from tokenizer import GPT2_META  # a folder of llm.c shards without meta.json is GPT-2 tokens, what llm.c writes
+from gpt.files import atomic_open, write_failure
+from gpt.tokenizer import GPT2_META  # a folder of llm.c shards without meta.json is GPT-2 tokens, what llm.c writes
 
 MAGIC = 20240520  # llm.c's token shard magic
 HEADER_INTS = 256

@@ -39,8 +39,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from files import atomic_open
-from quantize import Int8WeightOnlyLinear, W8A8Linear, quantize_rows
+from gpt.files import atomic_open
+from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, quantize_rows
 
 DECODE_ROWS = 16  # inputs of at most this many rows are decode-sized (batched samples, speculative chunks)
 REPEATS = 5  # timings of each candidate, interleaved; the best is kept

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kernels import decode_linears, use_compile_cache
+from gpt.kernels import decode_linears, use_compile_cache
 from model import sample_next_token, sampling_probs
 
 
