@@ -1,1 +1,1 @@
-"""Dataset preparation (data/<name>/prepare.py) and the token shard format and loader (data/shards.py)."""
+"""Dataset preparation: data/<name>/prepare.py (the token shard format and its loader are gpt/shards.py)."""

@@ -82,7 +82,7 @@ def write_meta(data_dir, meta):
         f.write(json.dumps(meta, indent=1).encode())
 
 
-DATA_ROOT = os.path.dirname(os.path.abspath(__file__))  # the repository's data/: a folder per dataset, with prepare.py
+DATA_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # the repository's data/
 
 
 def prepare_script(name):

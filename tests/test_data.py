@@ -253,8 +253,8 @@ def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, wh
 FULL_DISK_FROM_SHARD_3 = """
 import resource, runpy, sys
 sys.path.insert(0, sys.argv[1])
-import data.shards
-real_write_shard, calls = data.shards.write_shard, []
+import gpt.shards
+real_write_shard, calls = gpt.shards.write_shard, []
 
 def write_shard(path, tokens):  # from the third shard on, the disk is full: no file may grow past 2000 bytes
     calls.append(path)
@@ -262,7 +262,7 @@ def write_shard(path, tokens):  # from the third shard on, the disk is full: no 
         resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
     real_write_shard(path, tokens)
 
-data.shards.write_shard = write_shard  # prepare.py, run below, imports it from data.shards
+gpt.shards.write_shard = write_shard  # prepare.py, run below, imports it from gpt.shards
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
