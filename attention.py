@@ -17,18 +17,18 @@ and its mask rule (can_attend), caught by a hook on each attention module: the f
 unchanged, through SDPA, and its output is what the tests compare with these weights times v.
 """
 
-import json
 import math
 import sys
 
 import torch
 
-from gpt.checkpoint import CheckpointError, load_model, resolve_device
-from configurator import ConfigError, configure
-from gpt.files import atomic_open, write_failure
+from configurator import configure
+from gpt import UserError
+from gpt.checkpoint import load_model, model_source, resolve_device
+from gpt.files import atomic_open, write_failure, write_json
+from gpt.tokenizer import Tokenizer
 from model import CausalSelfAttention, can_attend
-from sample import SampleError, read_prompt
-from gpt.tokenizer import Tokenizer, TokenizerError
+from sample import read_prompt
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -41,10 +41,6 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu"
 )
 MAX_LABELS = 48  # tokens as axis labels up to this many; past that they would not be readable
-
-
-class AttentionError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
 
 
 @torch.no_grad()
@@ -89,10 +85,10 @@ def parse_indices(text, count, what):
     try:
         indices = [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
-        raise AttentionError(f"--{what} must be comma-separated integers, got {text!r}") from None
+        raise UserError(f"--{what} must be comma-separated integers, got {text!r}") from None
     bad = [i for i in indices if not 0 <= i < count]
     if bad or not indices:
-        raise AttentionError(f"--{what} {text!r}: the model has {count} {what} (0 .. {count - 1})")
+        raise UserError(f"--{what} {text!r}: the model has {count} {what} (0 .. {count - 1})")
     return indices
 
 
@@ -128,34 +124,34 @@ def draw(weights, layers, heads, group, labels, path):
         with atomic_open(path) as f:
             fig.savefig(f, format="png", dpi=100)
     except OSError as e:
-        raise AttentionError(f"cannot write {path}: {write_failure(e)}") from None
+        raise UserError(f"cannot write {path}: {write_failure(e)}") from None
     return fig
 
 
 def main(argv):
     settings = configure(DEFAULTS, argv)
-    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
-        raise AttentionError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
-    try:
-        prompt = read_prompt(settings["prompt"])
-    except SampleError as e:
-        raise AttentionError(str(e)) from None
+    source = model_source(settings["init_from"], settings["out_dir"])
+    prompt = read_prompt(settings["prompt"])
     device = resolve_device(settings["device"])
-    source = settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"]
+    from gpt.machine import shared_cpu
+    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     model, meta = load_model(source, device, torch.float32)
     config, tokenizer = model.config, Tokenizer(meta)
     layers = parse_indices(settings["layers"], config.n_layer, "layers")
     heads = parse_indices(settings["heads"], config.n_head, "heads")
     try:
         ids = tokenizer.encode(prompt, special_tokens=True)
-    except TokenizerError as e:
-        raise AttentionError(f"the prompt has {e}") from None
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
     if not ids:
-        raise AttentionError("the prompt is empty; give some text, e.g. --prompt='ROMEO:'")
+        raise UserError("the prompt is empty; give some text, e.g. --prompt='ROMEO:'")
     if len(ids) > config.block_size:
-        raise AttentionError(f"the prompt is {len(ids)} tokens, but the model reads at most block_size="
+        raise UserError(f"the prompt is {len(ids)} tokens, but the model reads at most block_size="
                              f"{config.block_size}; shorten it")
 
+    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    if busy_note:
+        print(busy_note, file=sys.stderr)
     _, weights = attention_weights(model, torch.tensor([ids], device=device))
     group = config.n_head // config.n_kv_head
     stats = {f"layer {layer} head {head}": head_stats(weights[layer][0, head]) for layer in layers for head in heads}
@@ -171,15 +167,11 @@ def main(argv):
         record = dict(tokens=token_labels(tokenizer, ids), heads={
             name: dict(s, weights=weights[int(name.split()[1])][0, int(name.split()[3])].tolist())
             for name, s in stats.items()})
-        try:
-            with atomic_open(settings["json"], "w") as f:
-                json.dump(record, f)
-        except OSError as e:
-            raise AttentionError(f"cannot write {settings['json']}: {write_failure(e)}") from None
+        write_json(settings["json"], record)
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, AttentionError, CheckpointError, TokenizerError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

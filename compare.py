@@ -33,9 +33,10 @@ import shlex
 import subprocess
 import sys
 
-from configurator import ConfigError, configure
-from gpt.shards import DataError, load_meta
-from gpt.files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
+from configurator import configure
+from gpt import UserError
+from gpt.files import FolderInUse, lock_folder, read_jsonl, write_failure, write_json
+from gpt.shards import load_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "train.py")
@@ -43,10 +44,6 @@ CODE_FILES = ("model.py", "train.py")  # an edit to these makes runs of one grou
 SET_BY_COMPARE = ("out_dir", "seed", "init_from", "overwrite", "max_iters", "max_seconds", "lr_decay_iters")
 FIRST_SEED = 1337  # train.py's default: a comparison's first seed is the run `python train.py <config>` makes
 NAME = re.compile(r"[A-Za-z_][\w.-]*")
-
-
-class CompareError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -64,7 +61,7 @@ def t_cdf(x, df, steps=400):
     return 0.5 + h / 3 * (density(0) + inner + density(x))
 
 
-@functools.lru_cache  # a few distinct (p, df) per comparison; each costs ~15 ms
+@functools.lru_cache  # a few distinct (p, df) per comparison, each a bisection over numerical integrals
 def t_quantile(p, df):
     """The x with P(T <= x) = p, for p in (0.5, 1), by bisection."""
     low, high = 0.0, 1000.0
@@ -126,14 +123,14 @@ def parse_group(spec, index):
         name, rest = None, spec
     args = shlex.split(rest)
     if not args:
-        raise CompareError(f"group {spec!r} has no train.py arguments; give e.g. name=config/small.py")
+        raise UserError(f"group {spec!r} has no train.py arguments; give e.g. name=config/small.py")
     if name is None:
         configs = [a for a in args if a.endswith(".py")]
         name = os.path.splitext(os.path.basename(configs[0]))[0] if configs else f"group{index + 1}"
     for arg in args:
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in SET_BY_COMPARE:
-            raise CompareError(f"group {name} sets --{key}, which compare.py sets for every run; give the budget as "
+            raise UserError(f"group {name} sets --{key}, which compare.py sets for every run; give the budget as "
                                "--iters, --tokens or --seconds and the output folder as --out_dir")
     return name, args
 
@@ -144,8 +141,8 @@ def resolve(name, args):
 
     try:
         return configure(train.DEFAULTS, args)
-    except ConfigError as e:
-        raise CompareError(f"group {name}: {e}") from None
+    except UserError as e:
+        raise UserError(f"group {name}: {e}") from None
 
 
 def tokens_per_iter(settings):
@@ -162,7 +159,7 @@ def budget_iters(budget, settings, name):
         return 10 ** 12
     iters = value if kind == "iters" else value // tokens_per_iter(settings)
     if iters < 1:
-        raise CompareError(f"--tokens={value} is less than one iteration of group {name} "
+        raise UserError(f"--tokens={value} is less than one iteration of group {name} "
                            f"({tokens_per_iter(settings):,} tokens); give a larger budget")
     return iters
 
@@ -179,13 +176,13 @@ def check_comparable(settings):
     datasets = {name: s["dataset"] for name, s in settings.items()}
     if len(set(datasets.values())) > 1:
         listed = ", ".join(f"{name}: {d}" for name, d in datasets.items())
-        raise CompareError(f"the groups train on different datasets ({listed}), whose val losses do not compare; "
+        raise UserError(f"the groups train on different datasets ({listed}), whose val losses do not compare; "
                            "give every group the same --dataset")
     dataset = next(iter(datasets.values()))
     try:
         load_meta(os.path.join("data", dataset))
-    except DataError as e:
-        raise CompareError(str(e)) from None
+    except UserError as e:
+        raise UserError(str(e)) from None
 
 
 def code_version():
@@ -202,21 +199,21 @@ def load_comparison(path, out_dir, budget, groups):
     has with the same arguments. A folder holding something else is refused, never overwritten."""
     if not os.path.exists(path):
         if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {"lock"}:
-            raise CompareError(f"{out_dir} exists and holds no comparison.json; give another --out_dir")
+            raise UserError(f"{out_dir} exists and holds no comparison.json; give another --out_dir")
         return dict(budget=budget, groups={}, runs={})
     try:
         with open(path) as f:
             saved = json.load(f)
         saved_budget, saved_groups = saved["budget"], saved["groups"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CompareError(f"{path} is not a comparison written by compare.py ({type(e).__name__}); give another "
+        raise UserError(f"{path} is not a comparison written by compare.py ({type(e).__name__}); give another "
                            "--out_dir") from None
     if saved_budget != budget:
-        raise CompareError(f"{out_dir} holds a comparison at another budget ({saved_budget['value']} "
+        raise UserError(f"{out_dir} holds a comparison at another budget ({saved_budget['value']} "
                            f"{saved_budget['kind']}); give the same budget or another --out_dir")
     for name, args in groups.items():
         if name in saved_groups and saved_groups[name]["args"] != args:
-            raise CompareError(f"{out_dir} has a group {name} with other arguments ({shlex.join(saved_groups[name]['args'])}); "
+            raise UserError(f"{out_dir} has a group {name} with other arguments ({shlex.join(saved_groups[name]['args'])}); "
                                "give this group another name, or use another --out_dir")
     return saved
 
@@ -259,7 +256,7 @@ def train_run(name, seed, args, comparison, out_dir, threads, code, budget, iter
     if record and "val_loss" in record:
         return
     if record and record["code"] != code:
-        raise CompareError(f"{name} seed {seed} was started with other code ({', '.join(CODE_FILES)} hash "
+        raise UserError(f"{name} seed {seed} was started with other code ({', '.join(CODE_FILES)} hash "
                            f"{record['code']}, now {code}); undo the edit to finish it, or use another --out_dir")
     resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))
     os.makedirs(run_dir, exist_ok=True)
@@ -271,23 +268,18 @@ def train_run(name, seed, args, comparison, out_dir, threads, code, budget, iter
     save_comparison(comparison, out_dir)
     status = run_training(argv, os.path.join(run_dir, "train.log"))
     if status != 0:
-        raise CompareError(f"{name} seed {seed} stopped: {last_line(os.path.join(run_dir, 'train.log'))}; fix "
+        raise UserError(f"{name} seed {seed} stopped: {last_line(os.path.join(run_dir, 'train.log'))}; fix "
                            "that and run the same command again (finished runs are kept)")
     result = run_result(run_dir, budget, iters)
     if result is None:
-        raise CompareError(f"{name} seed {seed} stopped before its budget (log: {os.path.join(run_dir, 'train.log')}); "
+        raise UserError(f"{name} seed {seed} stopped before its budget (log: {os.path.join(run_dir, 'train.log')}); "
                            "run the same command again to continue it")
     comparison["runs"][name][str(seed)] = dict(code=code, **result)
     save_comparison(comparison, out_dir)
 
 
 def save_comparison(comparison, out_dir):
-    path = os.path.join(out_dir, "comparison.json")
-    try:
-        with atomic_open(path, "w") as f:
-            json.dump(comparison, f, indent=1)
-    except OSError as e:
-        raise CompareError(f"cannot write {path} ({write_failure(e)})") from None
+    write_json(os.path.join(out_dir, "comparison.json"), comparison, indent=1)
 
 
 def results(comparison, names, seeds):
@@ -343,17 +335,17 @@ def main(argv):
                         help="CPU threads per run, fixed so that a run's losses do not depend on the machine's load")
     args = parser.parse_args(argv)
     if args.seeds < 1:
-        raise CompareError(f"--seeds must be at least 1, got {args.seeds}")
+        raise UserError(f"--seeds must be at least 1, got {args.seeds}")
     groups = dict(parse_group(spec, i) for i, spec in enumerate(args.groups))
     if len(groups) < len(args.groups):
-        raise CompareError("two groups have the same name; name them, e.g. baseline=config/small.py change=...")
+        raise UserError("two groups have the same name; name them, e.g. baseline=config/small.py change=...")
     settings = {name: resolve(name, group_args) for name, group_args in groups.items()}
     check_comparable(settings)
     first = next(iter(settings.values()))
     kind = next((k for k in ("iters", "tokens", "seconds") if getattr(args, k) is not None), "iters")
     value = getattr(args, kind) if getattr(args, kind) is not None else first["max_iters"]
     if value <= 0:
-        raise CompareError(f"--{kind} must be positive, got {value}")
+        raise UserError(f"--{kind} must be positive, got {value}")
     budget = dict(kind=kind, value=value)
     iters = {name: budget_iters(budget, settings[name], name) for name in groups}
     full_args = {name: [*group_args, *budget_args(budget, iters[name])] for name, group_args in groups.items()}
@@ -364,9 +356,9 @@ def main(argv):
         os.makedirs(out_dir, exist_ok=True)
         lock = lock_folder(out_dir)
     except FolderInUse as e:
-        raise CompareError(f"{out_dir} is in use by another compare.py (process {e.pid}); let it finish") from None
+        raise UserError(f"{out_dir} is in use by another compare.py (process {e.pid}); let it finish") from None
     except OSError as e:
-        raise CompareError(f"cannot use --out_dir {out_dir} ({write_failure(e)})") from None
+        raise UserError(f"cannot use --out_dir {out_dir} ({write_failure(e)})") from None
     try:
         path = os.path.join(out_dir, "comparison.json")
         comparison = load_comparison(path, out_dir, budget, groups)
@@ -390,7 +382,7 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except CompareError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         sys.exit("interrupted: the run in progress saved a checkpoint; run the same command to continue")

@@ -4,7 +4,7 @@ Settings from the command line, the nanoGPT way: `python train.py config/small.p
     settings = configure(dict(batch_size=12, learning_rate=6e-4, compile=True, top_k=None), sys.argv[1:])
 
 The script owns the defaults; configure() returns a new dict with argv applied in order, so later
-arguments win. Anything wrong raises ConfigError with a one-line message for the user.
+arguments win. Anything wrong raises UserError with a one-line message for the user.
 
 - A positional argument is a config file: Python run in a fresh namespace. Its public names (no leading
   underscore; modules, functions and classes are skipped) are settings. A missing file gets a suggestion
@@ -27,11 +27,9 @@ import glob
 import traceback
 import types
 
+from gpt import UserError
+
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
-
-
-class ConfigError(ValueError):
-    """A one-line message for the user: what was wrong and what to do."""
 
 
 def configure(defaults: dict, argv: list[str]) -> dict:
@@ -61,7 +59,7 @@ def _take_value(key, default, args):
         # only a boolean word belongs to the flag; anything else (a config file) stands on its own
         return args.pop(0) if has_next and args[0].lower() in _BOOL_WORDS else "True"
     if not has_next:
-        raise ConfigError(f"--{key} needs a value, as in --{key}=VALUE")
+        raise UserError(f"--{key} needs a value, as in --{key}=VALUE")
     return args.pop(0)
 
 
@@ -74,7 +72,7 @@ def _parse(raw):
 
 
 def _coerce(default, value, raw, label):
-    """value converted to the default's type, or ConfigError; raw is the command-line text, None in a file."""
+    """value converted to the default's type, or UserError; raw is the command-line text, None in a file."""
     if isinstance(default, bool):  # before int: a bool is an int
         word = str(value).lower()  # True, 1, "true" and "TRUE" all read as "true"
         if word in _BOOL_WORDS:
@@ -98,7 +96,7 @@ def _coerce(default, value, raw, label):
     elif default is None or isinstance(value, type(default)):
         return value
     shown = raw if raw is not None else value
-    raise ConfigError(f"{label}: expected {_describe(default)}, got {shown!r}")
+    raise UserError(f"{label}: expected {_describe(default)}, got {shown!r}")
 
 
 def _describe(default):
@@ -108,7 +106,7 @@ def _describe(default):
 
 def _check_known(defaults, key, where):
     if key not in defaults:
-        raise ConfigError(f"{where}unknown setting {key!r}{_did_you_mean(key, defaults)}")
+        raise UserError(f"{where}unknown setting {key!r}{_did_you_mean(key, defaults)}")
 
 
 def _did_you_mean(word, options):
@@ -117,22 +115,22 @@ def _did_you_mean(word, options):
 
 
 def _run_config_file(path):
-    """The settings a config file assigns, or ConfigError naming the file (and the line, if it ran)."""
+    """The settings a config file assigns, or UserError naming the file (and the line, if it ran)."""
     try:
         with open(path, "rb") as f:  # bytes, so compile() honours the file's encoding declaration
             source = f.read()
     except OSError as e:
         hint = _did_you_mean(path, glob.glob("config/*.py"))
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
+        raise UserError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
     namespace = {}
     try:
         exec(compile(source, path, "exec"), namespace)
     except SyntaxError as e:
-        raise ConfigError(f"{path}, line {e.lineno}: SyntaxError: {e.msg}") from None
+        raise UserError(f"{path}, line {e.lineno}: SyntaxError: {e.msg}") from None
     except Exception as e:
         # the innermost line of the config file itself, even if the error came from something it called
         lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
-        raise ConfigError(f"{path}, line {lines[-1]}: {type(e).__name__}: {e}") from None
+        raise UserError(f"{path}, line {lines[-1]}: {type(e).__name__}: {e}") from None
     return {
         name: value
         for name, value in namespace.items()

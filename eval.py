@@ -16,7 +16,6 @@ step, default block_size // 2), so every token is predicted with at least block_
 context. --out_json=FILE writes the figures (or lm-eval's full results) as JSON.
 """
 
-import json
 import math
 import os
 import sys
@@ -24,13 +23,13 @@ import sys
 import numpy as np
 import torch
 
-from gpt.checkpoint import CheckpointError, load_run, resolve_device, resolve_dtype
-from configurator import ConfigError, configure
-from gpt.shards import DataError, find_shards, read_shard
-from gpt.engine import token_logprobs
-from gpt.files import atomic_open, write_failure
-from gpt.quantize import QuantizeError, check_quantize, quantize
-from gpt.tokenizer import Tokenizer, TokenizerError
+from configurator import configure
+from gpt import UserError
+from gpt.checkpoint import load_run, model_source, resolve_device, resolve_dtype
+from gpt.files import write_json
+from gpt.scoring import token_logprobs
+from gpt.shards import find_shards, read_shard
+from gpt.tokenizer import Tokenizer
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -53,15 +52,9 @@ DEFAULTS = dict(
 LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
 
 
-class EvalError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
-
-
 def load(settings, device, dtype):
     """(model, tokenizer meta, the dataset it was trained on: a checkpoint's, None for a Hugging Face folder)."""
-    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
-        raise EvalError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
-    return load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"], device, dtype)
+    return load_run(model_source(settings["init_from"], settings["out_dir"]), device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -85,14 +78,14 @@ def text_tokens(path, tokenizer):
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise EvalError(f"cannot read --text {path}: {reason}") from None
+        raise UserError(f"cannot read --text {path}: {reason}") from None
     try:
         tokens = tokenizer.encode(text)
-    except TokenizerError as e:
-        raise EvalError(f"--text {path} has {e}") from None
+    except UserError as e:
+        raise UserError(f"--text {path} has {e}") from None
     tokens = ([tokenizer.eot] if tokenizer.eot is not None else []) + tokens
     if len(tokens) < 2:
-        raise EvalError(f"--text {path} is empty or too short: it needs at least two tokens to predict one")
+        raise UserError(f"--text {path} is empty or too short: it needs at least two tokens to predict one")
     return tokens
 
 
@@ -113,7 +106,7 @@ def score_text(settings, model, tokenizer, dataset):
     else:
         dataset = settings["dataset"] or dataset
         if not dataset:
-            raise EvalError("which text? pass --text=FILE, or --dataset=NAME for data/NAME's val split "
+            raise UserError("which text? pass --text=FILE, or --dataset=NAME for data/NAME's val split "
                             "(a Hugging Face folder has no dataset of its own)")
         tokens, source = val_tokens(dataset, settings["max_tokens"]), f"data/{dataset} val split"
     figures = bits_per_byte(model, tokens, tokenizer.byte_lengths(), settings["stride"], settings["batch_size"])
@@ -128,17 +121,14 @@ def score_text(settings, model, tokenizer, dataset):
 def run_tasks(settings, model, tokenizer):
     """lm-eval's results for --tasks, after its table is printed."""
     try:
-        from gpt import harness  # lm-eval is optional: only tasks need it
         from lm_eval.utils import make_table
+
+        from gpt import harness  # lm-eval is optional: only tasks need it
     except ImportError:
-        raise EvalError(LM_EVAL_MISSING) from None
+        raise UserError(LM_EVAL_MISSING) from None
     tasks = [t.strip() for t in settings["tasks"].split(",") if t.strip()]
-    try:
-        results = harness.run_tasks(model, tokenizer, tasks, limit=settings["limit"],
-                                    num_fewshot=settings["num_fewshot"], batch_size=settings["batch_size"],
-                                    include_path=settings["include_path"] or None)
-    except harness.HarnessError as e:
-        raise EvalError(str(e)) from None
+    results = harness.run_tasks(model, tokenizer, tasks, limit=settings["limit"], num_fewshot=settings["num_fewshot"],
+                                batch_size=settings["batch_size"], include_path=settings["include_path"] or None)
     print(make_table(results))
     return results
 
@@ -146,21 +136,13 @@ def run_tasks(settings, model, tokenizer):
 def check_settings(settings):
     for key in ("max_tokens", "batch_size"):
         if not isinstance(settings[key], int) or settings[key] < 1:
-            raise EvalError(f"{key} must be a positive integer, got {settings[key]!r}")
+            raise UserError(f"{key} must be a positive integer, got {settings[key]!r}")
     if settings["stride"] < 0:
-        raise EvalError(f"stride must be at least 1 (or 0 for block_size // 2), got {settings['stride']}")
+        raise UserError(f"stride must be at least 1 (or 0 for block_size // 2), got {settings['stride']}")
     if settings["limit"] is not None and (not isinstance(settings["limit"], (int, float)) or settings["limit"] <= 0):
-        raise EvalError(f"limit must be a positive number of examples, got {settings['limit']!r}")
+        raise UserError(f"limit must be a positive number of examples, got {settings['limit']!r}")
     if settings["num_fewshot"] is not None and (not isinstance(settings["num_fewshot"], int) or settings["num_fewshot"] < 0):
-        raise EvalError(f"num_fewshot must be 0 or more, got {settings['num_fewshot']!r}")
-
-
-def write_json(path, results):
-    try:
-        with atomic_open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)  # lm-eval's results hold a few non-JSON values
-    except OSError as e:
-        raise EvalError(f"cannot write {path}: {write_failure(e)}") from None
+        raise UserError(f"num_fewshot must be 0 or more, got {settings['num_fewshot']!r}")
 
 
 def main(argv):
@@ -170,15 +152,23 @@ def main(argv):
         try:
             import lm_eval  # noqa: F401  # say so before a long model load
         except ImportError:
-            raise EvalError(LM_EVAL_MISSING) from None
+            raise UserError(LM_EVAL_MISSING) from None
     device = resolve_device(settings["device"])
+    from gpt.machine import shared_cpu
+    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     dtype = resolve_dtype(settings["dtype"], device)
-    check_quantize(settings["quantize"], device)
+    if settings["quantize"]:
+        from gpt.quantize import check_quantize, quantize
+        check_quantize(settings["quantize"], device)
     # Scored as training scores its val loss: float32 weights and residual stream, the matrix products in dtype
     # under autocast. A model cast to bfloat16 whole gave a figure comparable with neither that nor float32's.
     model, meta, dataset = load(settings, device, torch.float32)
-    quantize(model, settings["quantize"])
+    if settings["quantize"]:
+        quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
+    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    if busy_note:
+        print(busy_note, file=sys.stderr)
     results = {}
     with torch.autocast(device.split(":")[0], dtype=dtype, enabled=dtype != torch.float32):
         if settings["text"] or not settings["tasks"]:
@@ -188,11 +178,11 @@ def main(argv):
         if settings["tasks"]:
             results["tasks"] = run_tasks(settings, model, tokenizer)
     if settings["out_json"]:
-        write_json(settings["out_json"], results)
+        write_json(settings["out_json"], results, indent=1, default=str)  # lm-eval's results hold a few non-JSON values
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, EvalError, CheckpointError, DataError, TokenizerError, QuantizeError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

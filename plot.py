@@ -19,29 +19,26 @@ import matplotlib.ticker
 matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
 
+from gpt import UserError
 from gpt.files import atomic_open, read_jsonl, write_failure
-
-
-class PlotError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
 
 
 def read_metrics(out_dir):
     """(train, val): the run's training records and evaluation records, in file order."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise PlotError(f"no {path}; train a run there first, e.g. python train.py config/small.py --out_dir={out_dir}")
+        raise UserError(f"no {path}; train a run there first, e.g. python train.py config/small.py --out_dir={out_dir}")
     try:
         records, _ = read_jsonl(path)  # a last line being written right now (a running run) is left out
     except ValueError as e:
-        raise PlotError(str(e)) from None
+        raise UserError(str(e)) from None
     train, val = [], []
     for lineno, record in records:
         if not is_record(record):
-            raise PlotError(f"{path}, line {lineno}: not a metrics record (needs iter, time and loss or val_loss)")
+            raise UserError(f"{path}, line {lineno}: not a metrics record (needs iter, time and loss or val_loss)")
         (val if "val_loss" in record else train).append(record)
     if not train and not val:
-        raise PlotError(f"{path} has no records; let the run get to its first log or evaluation")
+        raise UserError(f"{path} has no records; let the run get to its first log or evaluation")
     return train, val
 
 
@@ -114,7 +111,7 @@ def save(fig, path):
         with atomic_open(path) as f:
             fig.savefig(f, format="png")
     except OSError as e:
-        raise PlotError(f"cannot write {path}: {write_failure(e)}") from None
+        raise UserError(f"cannot write {path}: {write_failure(e)}") from None
     finally:
         plt.close(fig)
 
@@ -136,5 +133,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except PlotError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -2,20 +2,17 @@
 Sample text from a trained model, streamed to the terminal as it is produced:
 
     python sample.py --prompt "ROMEO:"                        # the model config/small.py trains (out-small)
-    python sample.py --out_dir=out-gpt2-124m --prompt "The meaning of life is" --num_samples=3
-    python sample.py --prompt FILE:prompt.txt                 # or --prompt - to read it from stdin
+    python sample.py --out_dir=out-gpt2-124m --prompt FILE:prompt.txt --num_samples=3   # --prompt - reads stdin
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
                                                               # (python train.py config/small_draft.py trains it)
     python sample.py --prompt FILE:code.py --draft=lookup     # speculative, the context as the draft (prompt lookup)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
-    python sample.py --prompt "ROMEO:" --compile=True         # torch.compile the decode step (once per machine)
-    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest (docs/sampling.md)
-    python sample.py --prompt "ROMEO:" --dtype=bfloat16       # half the bytes of float32
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest at batch 1
+    python sample.py --prompt "ROMEO:" --quantize=w8a8 --num_samples=8   # the fastest batched (CPU)
 
-This is the command line; the decoding itself is engine.py's. The prompt goes through the model once and
-its KV cache is copied to every sample; the samples decode together, a sample that ends (end-of-text or a
-stop string) leaves the batch, and past block_size the window slides. The first sample is streamed, the
-others are printed when the batch is done. Speed figures go to stderr.
+This is the command line; the decoding is engine.py's (speculative.py's with --draft), described in
+docs/sampling.md. The first sample is streamed, the others are printed when the batch is done; notes and the
+speed go to stderr.
 """
 
 import os
@@ -25,14 +22,13 @@ import time
 
 import torch
 
-from gpt.checkpoint import (CheckpointError, checkpoint_path, load_model, load_run, resolve_device, resolve_dtype,
-                        train_command)
-from configurator import ConfigError, configure
-from gpt.engine import Samples, compiles_by_default, decode_batch, decode_lookup, decode_speculative
-from gpt.kernels import cache_dir
+from configurator import configure
+from gpt import UserError
+from gpt.checkpoint import (checkpoint_path, load_model, load_run, model_source, resolve_device, resolve_dtype,
+                            train_command)
+from gpt.engine import Samples, compiles_by_default, decode_batch
+from gpt.tokenizer import Tokenizer
 from model import check_sampling
-from gpt.quantize import QuantizeError, check_quantize, quantize
-from gpt.tokenizer import Tokenizer, TokenizerError
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -62,10 +58,6 @@ SEPARATOR = "\n" + "-" * 40 + "\n"
 WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
 
 
-class SampleError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
-
-
 def read_prompt(prompt):
     if prompt == "-":
         return sys.stdin.read()
@@ -74,30 +66,28 @@ def read_prompt(prompt):
             with open(prompt[5:], encoding="utf-8") as f:
                 return f.read()
         except OSError as e:
-            raise SampleError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}") from None
+            raise UserError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}") from None
     return prompt
 
 
 def check_settings(settings):
     """The stop strings, after checking every setting a run needs before anything is loaded."""
     if not isinstance(settings["num_samples"], int) or settings["num_samples"] < 1:
-        raise SampleError(f"num_samples must be a positive integer, got {settings['num_samples']!r}")
+        raise UserError(f"num_samples must be a positive integer, got {settings['num_samples']!r}")
     if settings["max_new_tokens"] < 1:
-        raise SampleError(f"max_new_tokens must be at least 1, got {settings['max_new_tokens']}")
+        raise UserError(f"max_new_tokens must be at least 1, got {settings['max_new_tokens']}")
     try:
         check_sampling(settings["temperature"], settings["top_k"], settings["top_p"])
     except ValueError as e:
-        raise SampleError(str(e)) from None
+        raise UserError(str(e)) from None
     if settings["compile"] not in (None, True, False):
-        raise SampleError(f"compile must be True or False, got {settings['compile']!r}")
+        raise UserError(f"compile must be True or False, got {settings['compile']!r}")
     if settings["draft_k"] < 1:
-        raise SampleError(f"draft_k must be at least 1, got {settings['draft_k']}")
-    if settings["init_from"] != "resume" and not settings["init_from"].startswith("hf:"):
-        raise SampleError(f"init_from must be resume or hf:path/to/folder, got {settings['init_from']!r}")
+        raise UserError(f"draft_k must be at least 1, got {settings['draft_k']}")
     stop = settings["stop"]
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
-        raise SampleError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise UserError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return stops
 
 
@@ -109,23 +99,30 @@ def check_draft_exists(draft, dataset):
         return
     extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
     on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
-    raise SampleError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "
+    raise UserError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "
                       f"{train_command(path, DRAFT_CONFIG, extra)}")
 
 
 def main(argv):
     settings = configure(DEFAULTS, argv)
     stops = check_settings(settings)
+    source = model_source(settings["init_from"], settings["out_dir"])
     device = resolve_device(settings["device"])
+    from gpt.machine import shared_cpu
+    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     dtype = resolve_dtype(settings["dtype"], device)
-    check_quantize(settings["quantize"], device)
-    model, meta, dataset = load_run(settings["out_dir"] if settings["init_from"] == "resume" else settings["init_from"],
-                                    device, dtype)
-    quantize(model, settings["quantize"])
+    quantize = None
+    if settings["quantize"]:
+        from gpt.quantize import check_quantize, quantize
+        check_quantize(settings["quantize"], device)
+    model, meta, dataset = load_run(source, device, dtype)
+    if quantize:
+        quantize(model, settings["quantize"])
     if settings["compile"] is None:  # speculative decoding with a draft model, and uncached decoding, compile nothing
         settings["compile"] = (settings["draft"] in ("", LOOKUP) and not settings["no_kv_cache"]
                                and compiles_by_default(model))
         if settings["compile"]:
+            from gpt.kernels import cache_dir
             print(f"note: compiling the decode step, kept in {cache_dir()}: slow only in a machine's first run "
                   f"(--compile=False skips it)", file=sys.stderr)
     tokenizer = Tokenizer(meta)
@@ -134,41 +131,50 @@ def main(argv):
         check_draft_exists(settings["draft"], dataset)
         draft, draft_meta = load_model(settings["draft"], device, dtype)
         if draft_meta != meta:
-            raise SampleError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "
+            raise UserError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "
                               f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
                               f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
-        quantize(draft, settings["quantize"])
+        if quantize:
+            quantize(draft, settings["quantize"])
 
     prompt = read_prompt(settings["prompt"])
     try:
         prompt_ids = tokenizer.encode(prompt, special_tokens=True)  # "<|endoftext|>" in a prompt is the token
-    except TokenizerError as e:
-        raise SampleError(f"the prompt has {e}") from None
+    except UserError as e:
+        raise UserError(f"the prompt has {e}") from None
     if not prompt_ids:
         if tokenizer.eot is None:
-            raise SampleError("the prompt is empty; give some text to continue, e.g. --prompt='\\n'")
+            raise UserError("the prompt is empty; give some text to continue, e.g. --prompt='\\n'")
         prompt_ids = [tokenizer.eot]  # "a new document"
     block_size, reader = model.config.block_size, "the model"
     if draft is not None and draft.config.block_size < block_size:
         block_size, reader = draft.config.block_size, f"the draft {settings['draft']}"
     if len(prompt_ids) >= block_size:
-        raise SampleError(f"the prompt is {len(prompt_ids)} tokens, but {reader} reads at most "
+        raise UserError(f"the prompt is {len(prompt_ids)} tokens, but {reader} reads at most "
                           f"block_size={block_size}; shorten it")
+    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    if busy_note:
+        print(busy_note, file=sys.stderr)  # stdout stays the text
 
     generator = torch.Generator(device=device).manual_seed(settings["seed"])
     samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
     print(prompt, end="", flush=True)
+    kernels = None
+    if device.startswith("cpu"):  # each decode step's matrix kernel is chosen for this CPU (kernels.py); said after
+        from gpt import kernels
     start = time.perf_counter()
-    if settings["draft"] == LOOKUP:
-        n_accepted, n_proposed = decode_lookup(model, prompt_ids, settings, samples, generator)
-    elif draft is None:
-        decode_batch(model, prompt_ids, settings, samples, generator)
+    if settings["draft"]:
+        from gpt.speculative import decode_lookup, decode_speculative
+        n_accepted, n_proposed = (decode_lookup(model, prompt_ids, settings, samples, generator) if draft is None
+                                  else decode_speculative(model, draft, prompt_ids, settings, samples, generator))
     else:
-        n_accepted, n_proposed = decode_speculative(model, draft, prompt_ids, settings, samples, generator)
+        decode_batch(model, prompt_ids, settings, samples, generator)
     seconds = time.perf_counter() - start
     for text in samples.texts[1:]:
         print(SEPARATOR + prompt + text, end="")
-    print(flush=True)  # before the speed line on stderr, which is not buffered
+    print(flush=True)  # before the lines on stderr, which is not buffered
+    if kernels:
+        print(kernels.chosen_note(), file=sys.stderr)
     speed = f"{samples.n_tokens} tokens in {seconds:.2f} s ({samples.n_tokens / seconds:.1f} tokens/s"
     warmup = WARMUP_TOKENS * settings["num_samples"]
     steady = samples.tokens_per_second_after(warmup)
@@ -181,5 +187,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, SampleError, CheckpointError, TokenizerError, QuantizeError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

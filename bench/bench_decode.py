@@ -24,6 +24,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
+from gpt.machine import cpu_name  # noqa: E402
 # precision -> (llama.cpp's GGUF type, {our mode: sample.py's flags}); the defaults compile on a CPU where it pays
 PRECISIONS = {
     "fp32": ("f32", {"fp32 (default)": [], "fp32 eager": ["--compile=False"]}),
@@ -80,7 +82,7 @@ def main():
     parser.add_argument("--no_starts", action="store_true", help="skip the cold and warm start of --compile=True")
     args = parser.parse_args()
     env = dict(os.environ)
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name()
     print(f"{cpu}, {os.cpu_count()} cores; ms per decode step (the whole batch); ours: best steady speed of "
           f"{args.repeats}; llama.cpp: batch 1, slope of 72 and 8 tokens", flush=True)
     prompts = {"short prompt": ("--prompt=The", list(range(1000, 1016)))}  # llama.cpp: llamacpp_decode.sh's prompt

@@ -29,9 +29,9 @@ import torch
 
 from bench.bench_train import machine
 from gpt.checkpoint import load_model
-from export import export_hf
-from model import GPT, GPTConfig
+from gpt.hf import export_hf
 from gpt.tokenizer import GPT2_META, Tokenizer
+from model import GPT, GPTConfig
 
 SHAPES = {  # config/shakespeare_bpe.py's model, and GPT-2 small's
     "small": dict(block_size=128, n_layer=4, n_head=4, n_kv_head=2, n_embd=128),

@@ -21,6 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 from gpt import kernels
+from gpt.machine import cpu_name
 
 # (out, in) of one block's products: q, k, v, o, gate, up, down; then the output head
 BLOCK = [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768), (768, 2048)]
@@ -47,7 +48,7 @@ def main():
     parser.add_argument("--dtype", nargs="+", default=["float32"], help="float32, bfloat16, float16, int8[/rows' dtype]")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8])
     args = parser.parse_args()
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name()
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; ms for the 85 products of a step")
     torch.manual_seed(0)
     for name in args.dtype:

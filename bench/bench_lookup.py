@@ -22,9 +22,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
-from gpt import engine
-from gpt import kernels
+from gpt import engine, kernels, speculative
 from gpt.checkpoint import load_model
+from gpt.machine import cpu_name
 from gpt.quantize import quantize
 from gpt.tokenizer import Tokenizer
 
@@ -38,19 +38,19 @@ def lookup_counts(model, tokenizer, prompt, temperature, k, new_tokens):
     steps = []
     settings = dict(num_samples=1, max_new_tokens=new_tokens, temperature=temperature, top_k=None, top_p=None,
                     no_kv_cache=False, compile=False, draft_k=k)
-    chunk_logits = engine.chunk_logits
+    chunk_logits = speculative.chunk_logits
 
     def counted(model, tokens, cache, input_pos):
         steps.append(tokens.size(1))
         return chunk_logits(model, tokens, cache, input_pos)
 
-    engine.chunk_logits = counted
+    speculative.chunk_logits = counted
     try:
         samples = engine.Samples(1, tokenizer, [], stream=False)
-        accepted, proposed = engine.decode_lookup(model, tokenizer.encode(prompt), settings, samples,
-                                                  torch.Generator().manual_seed(0))
+        accepted, proposed = speculative.decode_lookup(model, tokenizer.encode(prompt), settings, samples,
+                                                       torch.Generator().manual_seed(0))
     finally:
-        engine.chunk_logits = chunk_logits
+        speculative.chunk_logits = chunk_logits
     return samples.n_tokens, steps.count(1), len(steps) - steps.count(1), accepted, proposed
 
 
@@ -84,7 +84,7 @@ def main():
     parser.add_argument("--draft_k", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=300)
     args = parser.parse_args()
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = cpu_name()
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; draft_k {args.draft_k}")
 
     model, meta = load_model(args.model)

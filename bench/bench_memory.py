@@ -52,9 +52,10 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 import torch.distributed as dist
 
-from bench_sample import cpu_model, machine
-from model import GPT, GPTConfig
+from bench_sample import machine
+from gpt.machine import cpu_name
 from gpt.parallel import checkpoint_blocks, shard, wrap_ddp
+from model import GPT, GPTConfig
 from train import make_optimizers
 
 MB = 1e6
@@ -261,7 +262,7 @@ def main():
         print(f"  {name}: {seconds:.0f} s, loss {results[name]['loss']:.3f}", flush=True)
     if results:
         print_results(results)
-    print(f"\ntotal {time.perf_counter() - start:.0f} s on {cpu_model()}")
+    print(f"\ntotal {time.perf_counter() - start:.0f} s on {cpu_name()}")
     for name, message in failures.items():
         print(f"\n{name} FAILED: {message}")
     if failures:

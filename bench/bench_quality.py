@@ -21,10 +21,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
-from bench_sample import MODES, cpu_model, in_mode, machine, settings_for
-from gpt.checkpoint import load_checkpoint, model_from_checkpoint
-from gpt.engine import decode_batch, token_predictions
+from bench_sample import MODES, in_mode, machine, settings_for
 from eval import bits_per_byte, val_tokens
+from gpt.checkpoint import load_checkpoint, model_from_checkpoint
+from gpt.engine import decode_batch
+from gpt.machine import cpu_name
+from gpt.scoring import token_predictions
 from gpt.tokenizer import Tokenizer
 
 PROMPT_TOKENS = 32
@@ -58,7 +60,7 @@ def bench_checkpoint(out_dir, args):
     tokenizer = Tokenizer(meta)
     tokens = val_tokens(dataset, args.max_tokens)
     text = greedy_continuation(model, tokens[:PROMPT_TOKENS], args.new_tokens, tokenizer.vocab_size)
-    print(f"\n== {out_dir} on {cpu_model()}: {model.num_params() / 1e6:.2f}M parameters, {meta['tokenizer']} tokenizer, "
+    print(f"\n== {out_dir} on {cpu_name()}: {model.num_params() / 1e6:.2f}M parameters, {meta['tokenizer']} tokenizer, "
           f"data/{dataset} val split, {len(tokens):,} tokens")
     print(f"{'mode':<9} {'loss':>8} {'bits/byte':>10} {'vs float32':>11} {'greedy agreement':>17} {'seconds':>8}")
     reference = None

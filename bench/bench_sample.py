@@ -18,13 +18,12 @@ Modes: float32 is the "cached" row; bfloat16 and float16 are sample.py --dtype=.
 
 Every figure is the decode phase alone: a run of N new tokens minus a run of 1, over N - 1 steps, so prefill
 and setup cancel. Runs of the methods being compared are interleaved and each keeps its best, because the VM's
-speed drifts by ~25% over minutes: compare the ratios printed together, not figures across runs.
+speed drifts over minutes: compare the ratios printed together, not figures across runs.
 """
 
 import argparse
 import copy
 import os
-import platform
 import sys
 import time
 
@@ -34,10 +33,12 @@ import torch
 import torch.nn as nn
 
 from gpt.checkpoint import load_model
-from gpt.engine import Samples, decode_batch, decode_speculative
-from model import GPT, GPTConfig
+from gpt.engine import Samples, decode_batch
+from gpt.machine import cpu_name
 from gpt.quantize import quantize
+from gpt.speculative import decode_speculative
 from gpt.tokenizer import Tokenizer
+from model import GPT, GPTConfig
 
 SHORT_PROMPT = 16
 SPEC_K = 4  # draft tokens per speculative step, sample.py's default
@@ -52,19 +53,10 @@ MODES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16, 
 SMALL_CONFIG = dict(vocab_size=128, block_size=128, n_layer=4, n_head=4, n_kv_head=4, n_embd=128)
 
 
-def cpu_model():
-    """The CPU's model name as lscpu shows it ("Intel(R) Xeon(R) Processor", "AMD EPYC ...")."""
-    cpu = platform.processor() or platform.machine()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    return cpu
-
-
 def machine():
-    cpu = cpu_model()
+    cpu = cpu_name()
     load = f", load average {os.getloadavg()[0]:.2f} at start" if hasattr(os, "getloadavg") else ""
-    # one thread decodes ~1.7x slower than two here, and OMP_WAIT_POLICY=PASSIVE ~20% slower: show what is set
+    # the thread count and OMP_WAIT_POLICY change the decode speed (bench/RESULTS.md): show what is set
     env = ", ".join(f"{name}={os.environ[name]}" for name in THREAD_ENV if name in os.environ) or "none set"
     return (f"machine: {cpu}, {os.cpu_count()} cores{load}\n"
             f"torch {torch.__version__}, torch.get_num_threads()={torch.get_num_threads()}, "
@@ -220,7 +212,7 @@ def bench_model(name, args, bandwidth, summary):
     kv_bytes_per_token = 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
     n_new = args.new_tokens or (32 if name == "small" else 64)
     long_len = config.block_size - n_new - max(8, config.block_size // 32)  # ends near block_size without sliding
-    repeats = args.repeats * (4 if name == "small" else 1)  # its steps take ~2 ms: more runs steady the differences
+    repeats = args.repeats * (4 if name == "small" else 1)  # its steps are short: more runs steady the differences
     vocab = tokenizer.vocab_size
     generator = torch.Generator().manual_seed(args.seed)
     prompts = {"short": torch.randint(0, vocab, (SHORT_PROMPT,), generator=generator).tolist(),
@@ -233,7 +225,7 @@ def bench_model(name, args, bandwidth, summary):
     draft = early_exit_draft(model, draft_layers)
     mode_models = {mode: in_mode(model, mode) for mode in args.modes if mode != "float32"}
 
-    print(f"\n== {name} on {cpu_model()}, {torch.get_num_threads()} threads: {description}; {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads "
+    print(f"\n== {name} on {cpu_name()}, {torch.get_num_threads()} threads: {description}; {config.n_layer} layers, {config.n_embd} wide, {config.n_head} heads "
           f"({config.n_kv_head} kv), context {config.block_size}, vocab {config.vocab_size}; "
           f"{model.num_params() / 1e6:.2f}M params, {weight_bytes / 1e6:.1f} MB fp32")
     print(f"bandwidth floor at batch 1: {weight_bytes / bandwidth * 1e3:.2f} ms/token (weights / read bandwidth)")
@@ -261,7 +253,7 @@ def bench_model(name, args, bandwidth, summary):
             runs[FLOOR] = memory_read(weight_bytes + batch * context * kv_bytes_per_token)
             results = measure(runs, dict.fromkeys(runs, n_new), repeats)
             floor = results[FLOOR]
-            # Recomputing ~1000 tokens costs ~1 s per step at batch 1 (~8 s at 8): time a few steps, once.
+            # Recomputing ~1000 tokens makes each step slow, batched the more: time a few steps, once.
             if not (long_gpt2 and batch == 8 and args.quick):
                 nc_steps = (3 if batch == 1 else 2) if long_gpt2 else (8 if args.quick else 16)
                 nc = ours(model, tokenizer, prompt_ids, batch, no_kv_cache=True)

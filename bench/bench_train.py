@@ -22,9 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make train.py and `data` importable
 import torch
 
-from configurator import ConfigError, configure
-from gpt.shards import DataError, find_shards
-from bench.bench_sample import cpu_model  # bench/ as a package: works run as a script and imported (experiments/)
+from configurator import configure
+from gpt import UserError
+from gpt.machine import cpu_name
+from gpt.shards import find_shards
 from train import DEFAULTS
 
 WARMUP_LOGS = 2  # the first logs carry one-time costs (allocator warm-up; torch.compile on CUDA)
@@ -32,7 +33,7 @@ TRAIN_LOG_LINE = re.compile(r"iter \d+: loss ")  # train.py's per-log line: the 
 
 
 def machine():
-    cpu = cpu_model()
+    cpu = cpu_name()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     load = f", load average {os.getloadavg()[0]:.2f} at start" if hasattr(os, "getloadavg") else ""
     return (f"machine: {cpu}, {os.cpu_count()} cores{load}\n"
@@ -72,7 +73,7 @@ def main():
         settings = configure(DEFAULTS, [args.config or config, *train_argv[1:]])
         for split in ("train", "val"):
             find_shards(os.path.join(ROOT, "data", settings["dataset"]), split)  # names the prepare command
-    except (ConfigError, DataError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
 
     print(machine())

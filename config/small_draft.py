@@ -2,11 +2,8 @@
 # (character-level Tiny Shakespeare, so the vocabularies match), one block instead of four, trained the same way.
 #   python train.py config/small.py && python train.py config/small_draft.py
 #   python sample.py --prompt "ROMEO:" --draft=out-draft
-# Measured on a 2-core x86-64 VM (CPU only, fp32): 17-19 s of training (0.23M parameters, val loss 1.868 at 1200;
-# config/small.py's model, trained with AdamW then, 1.748). With it, sample.py's 500 tokens at temperature 0.8
-# accept 62% of the drafted tokens (draft_k 4) and run at ~1,520 tokens/s instead of ~1,380 without it: at 0.9M
-# parameters a decode step on a CPU is mostly fixed overhead, so a draft saves little here (and at
-# --temperature=0 it accepted 45%: slower).
+# At 0.9M parameters a decode step on a CPU is mostly fixed overhead, so a draft saves little here: this config is
+# for trying speculative decoding end to end (its acceptance rate and speed: bench/RESULTS.md, "Draft model").
 out_dir = "out-draft"
 dataset = "shakespeare_char"
 eval_interval = 400

@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)  # run as a script
 import torch
 
 import train
+from gpt import UserError
 from gpt.checkpoint import load_model
 from gpt.engine import Samples, decode_batch
 from gpt.tokenizer import Tokenizer
@@ -96,5 +97,5 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except (train.ConfigError, train.DataError, train.TrainError, train.CheckpointError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -33,10 +33,12 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 import torch.nn.functional as F
 
-from gpt.checkpoint import CheckpointError, load_model
 from data.shakespeare.prepare import split_text
+from gpt import UserError
+from gpt.checkpoint import load_model
+from gpt.machine import cpu_name
+from gpt.tokenizer import Tokenizer
 from model import GPT
-from gpt.tokenizer import Tokenizer, TokenizerError
 
 SETTINGS = [(True, True), (True, False), (False, True), (False, False)]  # (RoPE, causal mask)
 
@@ -89,22 +91,14 @@ def model_and_val_batch(out_dir, text, batch_size):
     with a one-line error."""
     try:
         model, meta = load_model(out_dir)
-    except CheckpointError as e:
+    except UserError as e:
         sys.exit(f"error: {e}")
     if not os.path.isfile(text):
         sys.exit(f"error: --text {text}: no such file")
     try:
         return model, val_batch(Tokenizer(meta), text, batch_size, model.config.block_size)
-    except TokenizerError as e:
+    except UserError as e:
         sys.exit(f"error: --text {text} does not suit {out_dir}'s tokenizer: {e}")
-
-
-def cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown (no /proc/cpuinfo)"
 
 
 def print_table(models, idx, perm):
@@ -133,7 +127,7 @@ def main(argv=None):
     random_init = GPT(trained.config).eval()  # same shape, GPT-2 init: equivariance is architecture, not training
     perm = torch.randperm(idx.size(1))  # one shuffle of the T positions, the same for every row
 
-    print(f"cpu: {cpu_model()}, torch {torch.__version__}")
+    print(f"cpu: {cpu_name()}, torch {torch.__version__}")
     print(f"{args.out_dir}: {trained.config}")
     print_table({"trained": trained, "random init": random_init}, idx, perm)
 

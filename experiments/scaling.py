@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
-from experiments.position import cpu_model, model_and_val_batch  # the same input text, the same machine line
+from experiments.position import model_and_val_batch  # the same input text, the same machine line
+from gpt.machine import cpu_name
 from model import CausalSelfAttention
 
 HEAD_DIMS = [16, 64, 256]  # and the trained model's own
@@ -136,7 +137,7 @@ def main(argv=None):
 
     model, idx = model_and_val_batch(args.out_dir, args.text, args.batch_size)
 
-    print(f"cpu: {cpu_model()}, torch {torch.__version__}")
+    print(f"cpu: {cpu_name()}, torch {torch.__version__}")
     print_random_table(HEAD_DIMS, model.config.head_dim, args.n, args.T, args.seed)
     print()
     print_model_table(model, idx, args.out_dir)

@@ -1,27 +1,20 @@
 """
-Where models come from and go to: the device and dtype to run on, train.py's ckpt.pt (saved atomically,
-loaded without running code), and Hugging Face Llama/Qwen3 folders read as checkpoints (config.json,
-model.safetensors, tokenizer.json). train.py, sample.py and export.py all load through here, so a
+Where models come from and go to: the device and dtype to run on, and train.py's ckpt.pt (saved atomically, loaded
+without running code); Hugging Face folders are read through gpt/hf.py. Every command loads through here, so a
 missing, truncated or foreign file gets the same one-line message everywhere.
 
     model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
 
 import io
-import json
 import os
 import shlex
-from dataclasses import replace
 
 import torch
 
+from gpt import UserError
 from gpt.files import atomic_open, write_failure
 from model import GPT, GPTConfig
-from gpt.tokenizer import TokenizerError, tokenizer_json_meta
-
-
-class CheckpointError(Exception):
-    """A checkpoint or model folder that cannot be loaded; the message is one line saying what to do."""
 
 
 def first_line(error):
@@ -41,12 +34,12 @@ def resolve_device(device):
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise CheckpointError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
+            raise UserError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
                                   "use --device=cpu (or auto)")
         index, count = torch.device(device).index, torch.cuda.device_count()
         if index is not None:
             if index >= count:
-                raise CheckpointError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
+                raise UserError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
                                       f"cuda:{count - 1}")
             torch.cuda.set_device(index)
     return device
@@ -61,10 +54,10 @@ def resolve_dtype(dtype, device):
     if dtype == "auto":
         dtype = "float32" if not cuda else "bfloat16" if cuda_capability(device) >= (8, 0) else "float16"
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise CheckpointError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if dtype == "bfloat16" and cuda and cuda_capability(device) < (8, 0):
         major, minor = cuda_capability(device)
-        raise CheckpointError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
+        raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
                               "only emulates bfloat16; use --dtype=float16 (or auto)")
     return getattr(torch, dtype)
 
@@ -80,12 +73,12 @@ def cuda_capability(device):
 
 def save_checkpoint(path, checkpoint):
     """torch.save to a temp file, then rename: a crash or a full disk never leaves a half-written checkpoint,
-    and the one saved before stays. A failed write is a CheckpointError naming the path and the cause."""
+    and the one saved before stays. A failed write is a UserError naming the path and the cause."""
     try:
         with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
             torch.save(checkpoint, f)
     except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
-        raise CheckpointError(f"could not write checkpoint {path} ({write_failure(e)})") from None
+        raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
 def train_command(path, config="config/small.py", extra=""):
@@ -107,12 +100,12 @@ def load_checkpoint(path, data=None):
     """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code.
     data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
     if data is None and not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path}; train one first (--init_from=scratch, the default): "
+        raise UserError(f"no checkpoint at {path}; train one first (--init_from=scratch, the default): "
                               f"{train_command(path)}")
     try:
         return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # truncated or corrupt files raise several kinds
-        raise CheckpointError(f"cannot read checkpoint {path} ({first_line(e)}); it is truncated or corrupt") from None
+        raise UserError(f"cannot read checkpoint {path} ({first_line(e)}); it is truncated or corrupt") from None
 
 
 def model_from_checkpoint(checkpoint, path):
@@ -120,20 +113,20 @@ def model_from_checkpoint(checkpoint, path):
     try:
         model, state, meta = GPT(GPTConfig(**checkpoint["model_config"])), checkpoint["model"], checkpoint["meta"]
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {first_line(e)})") from None
+        raise UserError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {first_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise CheckpointError(f"{path} is not a checkpoint written by train.py (its model is not a dict of tensors)")
+        raise UserError(f"{path} is not a checkpoint written by train.py (its model is not a dict of tensors)")
     load_weights(model, state, path)
     return model, meta
 
 
 def load_weights(model, state, path):
-    """model.load_state_dict(state) for the checkpoint at path, where tensors that do not fit are a CheckpointError
+    """model.load_state_dict(state) for the checkpoint at path, where tensors that do not fit are a UserError
     naming them: the file is fine, model.py was changed since it was written (torch's error lists them over many
     lines, and its first line names none)."""
     mismatch = tensor_mismatch(model.state_dict(), state)
     if mismatch:
-        raise CheckpointError(f"{path} does not fit this model.py: {mismatch}; it was written by a model of another "
+        raise UserError(f"{path} does not fit this model.py: {mismatch}; it was written by a model of another "
                               "shape: retrain with this model.py, or undo the edit to load it")
     model.load_state_dict(state)
 
@@ -157,6 +150,14 @@ def size(tensor):
     return "x".join(map(str, tensor.shape)) or "scalar"
 
 
+def model_source(init_from, out_dir):
+    """What load_run reads for a command's init_from and out_dir settings: out_dir's ckpt.pt for "resume", the
+    folder of "hf:folder"."""
+    if init_from != "resume" and not init_from.startswith("hf:"):
+        raise UserError(f"init_from must be resume or hf:path/to/folder, got {init_from!r}")
+    return out_dir if init_from == "resume" else init_from
+
+
 def load_model(source, device="cpu", dtype=torch.float32):
     """The model (in eval mode, on device, in dtype) and its tokenizer meta, from source: an out_dir holding
     ckpt.pt, a .pt file, or "hf:folder" for a Hugging Face Llama/Qwen3 folder with its tokenizer.json."""
@@ -167,94 +168,13 @@ def load_run(source, device="cpu", dtype=torch.float32):
     """load_model's (model, meta), and the dataset the model was trained on (a train.py checkpoint's setting; None
     for a Hugging Face folder)."""
     if source.startswith("hf:"):
+        from gpt.hf import load_hf
+
         (model, meta), dataset = load_hf(source[3:]), None
         if meta is None:
-            raise CheckpointError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
+            raise UserError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
     else:
         path = checkpoint_path(source)
         checkpoint = load_checkpoint(path)
         (model, meta), dataset = model_from_checkpoint(checkpoint, path), checkpoint.get("settings", {}).get("dataset")
     return model.to(device=device, dtype=dtype).eval(), meta, dataset
-
-
-# ----------------------------------------------------------------------------------------------------
-# Hugging Face folders: config.json -> GPTConfig, model.safetensors -> weights, tokenizer.json -> meta
-
-
-def gpt_config(hf):
-    """The GPTConfig of a Llama or Qwen3 config.json dict; CheckpointError when it has no exact equivalent."""
-    model_type = hf.get("model_type")
-    if model_type not in ("llama", "qwen3"):
-        raise CheckpointError(f"model_type {model_type!r} is not supported; only llama and qwen3 models convert exactly")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"hidden_act={hf['hidden_act']!r}: only silu (swiglu) MLPs convert")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise CheckpointError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE converts")
-    if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError("partial_rotary_factor != 1 is not supported; RoPE here turns the whole head")
-    attention_bias = bool(hf.get("attention_bias", False))
-    if model_type == "llama" and attention_bias != bool(hf.get("mlp_bias", False)):
-        raise CheckpointError("attention_bias and mlp_bias differ; bias here is one switch for every linear layer")
-    if model_type == "qwen3" and attention_bias:
-        raise CheckpointError("a Qwen3 with attention_bias=True has biases in attention only; bias here is all or none")
-    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
-        raise CheckpointError("sliding-window attention is not supported on import; these layers would see the whole context")
-    n_head = hf.get("num_attention_heads")
-    try:
-        config = GPTConfig(
-            vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
-            n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
-            n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=hf["hidden_size"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, bias=attention_bias, mlp="swiglu",
-            mlp_hidden=hf["intermediate_size"], qk_norm=model_type == "qwen3",
-            rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf.get("rms_norm_eps", 1e-6),
-            tie_embeddings=hf.get("tie_word_embeddings", False))
-    except KeyError as e:
-        raise CheckpointError(f"config.json has no {e.args[0]}") from None
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    if config.mlp_hidden == replace(config, mlp_hidden=0).mlp_width:
-        config.mlp_hidden = 0  # the default width, written as our configs write it, so a round trip is exact
-    return config
-
-
-def load_hf(folder):
-    """The GPT (fp32, on the CPU) of a local Llama or Qwen3 folder, and its tokenizer's meta dict (None
-    when the folder has no tokenizer.json). CheckpointError says what is missing or does not map."""
-    config_path = os.path.join(folder, "config.json")
-    if not os.path.isfile(config_path):
-        raise CheckpointError(f"no config.json in {folder}; expected a Hugging Face model folder")
-    try:
-        from safetensors import SafetensorError  # only this path needs safetensors
-        from safetensors.torch import load_file
-    except ImportError:
-        raise CheckpointError("reading a Hugging Face folder needs safetensors: pip install safetensors") from None
-    with open(config_path, encoding="utf-8") as f:
-        hf = json.load(f)
-    config = gpt_config(hf)
-    weights = os.path.join(folder, "model.safetensors")
-    if not os.path.isfile(weights):
-        found = sorted(f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
-        raise CheckpointError(f"no model.safetensors in {folder} (found: {', '.join(found) or 'no weights'}); "
-                              "only a single safetensors file is read, never pickles")
-    try:
-        state = load_file(weights)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {weights} ({e}); it is truncated or corrupt") from None
-    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
-    if config.tie_embeddings and "embed_tokens.weight" in state:  # else named missing below
-        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-    model = GPT(config)
-    mismatch = tensor_mismatch(model.state_dict(), state)
-    if mismatch:  # weights and config.json disagree, or model.py was changed: the names say which
-        raise CheckpointError(f"{weights} does not fit the model this model.py builds from its config.json: {mismatch}")
-    model.load_state_dict(state)
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    tokenizer_path = os.path.join(folder, "tokenizer.json")
-    try:
-        meta = tokenizer_json_meta(tokenizer_path, eos) if os.path.exists(tokenizer_path) else None
-    except TokenizerError as e:
-        raise CheckpointError(str(e)) from None
-    return model, meta

@@ -9,6 +9,8 @@ import contextlib
 import json
 import os
 
+from gpt import UserError
+
 try:
     import fcntl  # POSIX; Windows has no flock, and there lock_folder locks nothing
 except ImportError:
@@ -31,6 +33,16 @@ def atomic_open(path, mode="wb"):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def write_json(path, obj, **dump_args):
+    """obj as a JSON file at path, written atomically; dump_args: json.dumps's (indent=1, ...). A failed write is a
+    UserError naming the file and the cause."""
+    try:
+        with atomic_open(path) as f:
+            f.write(json.dumps(obj, **dump_args).encode())
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({write_failure(e)})") from None
 
 
 def write_failure(error):

@@ -22,12 +22,9 @@ import yaml
 from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
-from gpt.engine import Samples, continuation_logprobs, decode_batch, sequence_logprobs, token_logprobs
-from gpt.tokenizer import TokenizerError
-
-
-class HarnessError(Exception):
-    """A task or setting that cannot run; the message is one line saying what to do."""
+from gpt import UserError
+from gpt.engine import Samples, decode_batch
+from gpt.scoring import continuation_logprobs, sequence_logprobs, token_logprobs
 
 
 class GPTLM(TemplateLM):
@@ -46,8 +43,8 @@ class GPTLM(TemplateLM):
     def tok_encode(self, string, **kwargs):
         try:
             return self.tokenizer.encode(string)
-        except TokenizerError as e:
-            raise HarnessError(f"{e}: this task's text is not in the model's vocabulary; lm-eval tasks need a BPE "
+        except UserError as e:
+            raise UserError(f"{e}: this task's text is not in the model's vocabulary; lm-eval tasks need a BPE "
                                "model") from None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
@@ -109,7 +106,7 @@ def task_manager(tasks, include_path=None):
     when it holds them all (indexing lm-eval's own thousands of tasks takes ~15 s), else both."""
     if include_path is not None:
         if not os.path.isdir(include_path):
-            raise HarnessError(f"--include_path {include_path}: no such folder")
+            raise UserError(f"--include_path {include_path}: no such folder")
         local = TaskManager(include_path=include_path, include_defaults=False)
         if all(name in local.all_tasks for name in tasks):
             return local
@@ -137,10 +134,10 @@ def check_tasks(tasks, manager, include_path=None):
                     list(yaml.compose_all(f))  # the YAML syntax only: lm-eval's own tags (!function) need no code
             except yaml.YAMLError as e:
                 reason = " ".join(str(e).split())
-                raise HarnessError(f"task file {path} does not parse ({reason}); fix it, then run again") from None
+                raise UserError(f"task file {path} does not parse ({reason}); fix it, then run again") from None
         close = difflib.get_close_matches(name, known, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
-        raise HarnessError(f"unknown task {name!r}; {hint}list them with `lm-eval ls tasks`, or pass "
+        raise UserError(f"unknown task {name!r}; {hint}list them with `lm-eval ls tasks`, or pass "
                            "--include_path=DIR holding its YAML")
 
 
@@ -156,5 +153,37 @@ def run_tasks(model, tokenizer, tasks, limit=None, num_fewshot=None, batch_size=
         return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                        task_manager=manager, log_samples=log_samples, batch_size=batch_size)
     except (ConnectionError, OSError) as e:
-        raise HarnessError(f"could not load the data of {', '.join(tasks)} ({str(e).splitlines()[0][:200]}); "
+        raise UserError(f"could not load the data of {', '.join(tasks)} ({str(e).splitlines()[0][:200]}); "
                            "offline, use a cached copy of the dataset or a local task YAML with --include_path") from None
+
+
+def task_names(text):
+    """The task names of a comma-separated setting ("hellaswag, arc_easy")."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def task_runner(tasks, include_path, limit, batch_size, meta):
+    """For train.py's eval_tasks: a function from the model and an autocast context to {"task/metric": value}. The
+    task names are checked now, not at the first evaluation. Every process runs the tasks on its own unwrapped
+    model (no collective that could hang while rank 0 alone evaluates); lm-eval returns results on rank 0 only."""
+    from gpt.parallel import whole_root  # the model's root parameters, gathered under FSDP
+    from gpt.tokenizer import Tokenizer
+
+    names, tokenizer = task_names(tasks), Tokenizer(meta)
+    try:
+        manager = task_manager(names, include_path)
+        check_tasks(names, manager, include_path)
+    except UserError as e:
+        raise UserError(f"eval_tasks: {e}") from None
+
+    def run(model, autocast):
+        try:
+            with autocast, whole_root(model):
+                results = run_tasks(model, tokenizer, names, limit=limit, batch_size=batch_size, manager=manager)
+        except UserError as e:
+            raise UserError(f"eval_tasks: {e}") from None
+        finally:
+            model.train()  # the harness put it in eval mode
+        return task_figures(results) if results else {}
+
+    return run

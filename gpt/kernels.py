@@ -2,28 +2,23 @@
 Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: chosen by measurement on the
 machine, once, and remembered.
 
-    with decode_linears(model, rows=1):   # inside, every nn.Linear of the model runs the kernel measured fastest
+    with decode_linears(model, rows=1):   # inside, each linear layer is a DecodeLinear running the kernel chosen
         ...decode steps...
 
 A decode step reads every weight once to multiply it by one row per sample: it is bound by how fast a kernel
-streams the weights, and which kernel does that best depends on the CPU and on what torch was built with. On an
-AMD EPYC (Zen 5), MKL's fp32 product (what F.linear runs) read a GPT-2-small step's weights at ~19 GB/s, oneDNN's
-at ~34, inductor's own loops at ~42 (bench/bench_kernels.py, one run); on an Intel Xeon MKL's one-row form (torch.mv) was the fast one (bench/RESULTS.md). So no kernel is picked
-by vendor: each candidate in KERNELS runs every linear layer of the model once, in order (a model larger than the
-CPU's caches is then read from memory, as decoding reads it), interleaved and best of REPEATS, and the fastest
-wins. Every candidate computes the same product in the same precision, only in another order: a choice changes
-the logits within float rounding, never the precision (a candidate that disagrees with F.linear is dropped).
-Two candidates take one kind of weight: oneDNN on weights packed once in its own layout (float; a second copy of
-the weights while decoding: float32 7.9 ms a GPT-2-small step's products at 1 row, 10.9 at 8, where MKL took 26 and
-41), and torch's int8 kernel (int8 weights times bfloat16 rows: 4.2 and 9.6 ms, where inductor's loop took 9.9 and
-21; AMD EPYC, bench/bench_kernels.py). Two take int8 rows (quantize.py's w8a8) times int8 weights and give the
-exact integer sums: torch._int_mm and oneDNN's int8 product on weights packed once (3.5 / 8.5 and 5.4 / 5.8 ms at
-1 / 8 rows); each row's scales are applied after, by decode_linear.
+streams the weights, and which kernel does that best depends on the CPU and on what torch was built with (MKL's
+product, oneDNN's, inductor's own loops and the BLAS's matrix-vector form each won somewhere: bench/RESULTS.md). So
+no kernel is picked by vendor: each candidate in KERNELS runs every linear layer of the model once, in order (a
+model larger than the CPU's caches is then read from memory, as decoding reads it), interleaved and best of
+REPEATS, and the fastest wins. Every candidate computes the same product in the same precision, only in another
+order: a choice changes the logits within float rounding, never the precision (a candidate that disagrees with
+F.linear is dropped); some take one kind of weight or rows only (their docstrings say which). An int8 layer
+(quantize.py) computes through a kernel itself (its `through`), applying its scales after the product.
 
 The choice is kept in kernels.json under cache_dir() with the machine it was measured on (CPU model and flags,
 torch version, threads) and the candidates: on another machine, torch or thread count, or with other candidates, it
-is measured again. torch.compile's own
-caches go there too (use_compile_cache), so that compiling is paid once per machine, not once per run.
+is measured again. torch.compile's own caches go there too (use_compile_cache), so that compiling is paid once per
+machine, not once per run.
 """
 
 import contextlib
@@ -40,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt.files import atomic_open
-from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, quantize_rows
+from gpt.machine import cpu_flags, cpu_name
 
 DECODE_ROWS = 16  # inputs of at most this many rows are decode-sized (batched samples, speculative chunks)
 REPEATS = 5  # timings of each candidate, interleaved; the best is kept
@@ -103,9 +98,8 @@ def reduction_linear(x, weight, bias):
     """y[..., o] = sum_i x[..., i] W[o, i] written as products and sums, one per input row: compiled, inductor
     fuses them into one loop that streams the weights once for all rows (an int8 weight's cast to x's dtype
     included). Eager it would hold x * W whole, so it is a candidate only compiled. Several rows are computed first:
-    inductor would otherwise fuse the ops that make them (a norm) into the loop and redo them for every weight, 3x
-    slower at 8 rows (a whole int8 step 40 -> 15 ms on an AMD EPYC); one row is faster fused (4.3 -> 3.6 ms).
-    int8 rows (w8a8's) are multiplied in float32 like int8 weights: at one row the fastest of w8a8's kernels."""
+    inductor would otherwise fuse the ops that make them (a norm) into the loop and redo them for every weight; one
+    row is faster fused. int8 rows (w8a8's) are multiplied in float32 like int8 weights."""
     rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
     weight = weight.to(rows.dtype)
     # one float row: the fused form measured faster; int8 rows' quantization holds a reduction (its largest magnitude)
@@ -133,14 +127,13 @@ def packed_copy(weight, pack):
 @opaque_when_compiled("packed_onednn_linear")
 def packed_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """oneDNN's inner product on a copy of the weight packed once (into packed_weights) in oneDNN's own blocked
-    layout. Given a plain weight, oneDNN reorders it at every call: a bfloat16 GPT-2-small step's products at 8 rows
-    took 9.8 ms that way and 6.3 packed on an AMD EPYC (bench/RESULTS.md). The copy doubles the weights' memory
-    while decoding (see room_for_a_copy); an int8 weight is not copied into a float one, which would read more."""
+    layout: given a plain weight, oneDNN reorders it at every call. The copy doubles the weights' memory while
+    decoding (see room_for_a_copy); an int8 weight is not copied into a float one, which would read more."""
     if not weight.is_floating_point():
         raise RuntimeError("packed oneDNN takes float weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
-    # oneDNN's layout depends on the rows it is packed for: packed for one, float32 products took 1.7x as long at 1
-    # and at 8 rows on an AMD EPYC; any of 4 to 64 did alike, so every weight the same
+    # oneDNN's layout depends on the rows it is packed for: packed for one row, products ran slower at 1 and at 8
+    # rows; any of 4 to 64 did alike, so every weight is packed for DECODE_ROWS
     packed = packed_copy(weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS))
     y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # (M, out)
     return y.view(*x.shape[:-1], weight.size(0))
@@ -166,8 +159,8 @@ def onednn_int8_linear(x, weight, bias):
     """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (a W8A8Linear's, quantize_rows) and
     int8 weights packed once: the integer sums, exact in int32, as float32 (+ bias). oneDNN takes unsigned rows: each
     int8 row is shifted by 128 (its sign bit flipped; compiled, in the loop that quantizes the rows) and oneDNN
-    subtracts that zero point again. Signed rows ran ~250x slower (a reference loop). It needs VNNI: without it (AVX2,
-    or AVX-512 before VNNI) oneDNN's pair sums saturate in int16, and the check in usable_kernels drops it."""
+    subtracts that zero point again (signed rows run a slow reference loop). It needs VNNI: without it (AVX2, or
+    AVX-512 before VNNI) oneDNN's pair sums saturate in int16, and the check in usable_kernels drops it."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("oneDNN's int8 product takes int8 rows and int8 weights only")
     return shifted_int8_product(x.view(torch.uint8) ^ 128, weight, bias)
@@ -176,9 +169,8 @@ def onednn_int8_linear(x, weight, bias):
 @opaque_when_compiled("int8pack_linear")
 def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """torch's own weight-only int8 product (aten._weight_int8pack_mm, gpt-fast's on a CPU) for int8 weights (out,
-    in); its scales are ones here, decode_linear scales the rows after. torch 2.13 vectorizes it for bfloat16 rows
-    only (dot products of bf16 pairs): 3.5 ms for a GPT-2-small step's products at 1 row, 7.4 at 8, on an AMD EPYC;
-    float32 rows took 35 and 290, and the measurement drops it there."""
+    in); its scales are ones here, the layer scales the rows after. torch 2.13 vectorizes it for bfloat16 rows only
+    (dot products of bf16 pairs): with float32 rows it is slow, and the measurement drops it there."""
     if weight.dtype != torch.int8:
         raise RuntimeError("int8pack takes int8 weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
@@ -190,8 +182,8 @@ def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """torch's int8 x int8 product (torch._int_mm, oneDNN's on x86) for int8 rows and int8 weights as stored: the
-    integer sums as float32 (+ bias). One row: a GPT-2-small step's products in 3.5 ms on an AMD EPYC, where oneDNN's
-    packed int8 product took 5.4 (~15 us more a call); 8 rows: 8.5 against 5.8. Like that one it needs VNNI."""
+    integer sums as float32 (+ bias). Less fixed cost a call than oneDNN's packed int8 product, so it can win at
+    one row where that one wins at several. Like that one it needs VNNI."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("torch._int_mm takes int8 rows and int8 weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
@@ -228,19 +220,7 @@ def cache_dir():
 def this_machine():
     """What a remembered choice holds only for: the CPU (model and instruction-set flags), torch, threads, and the
     candidates it was chosen among (a kernel added to KERNELS is measured, not passed over)."""
-    model, flags = "unknown", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and model == "unknown":
-                    model = value.strip()
-                elif key.strip() in ("flags", "Features") and not flags:
-                    flags = value.strip()
-    except OSError:  # no /proc (macOS, Windows): the platform's own words for the CPU
-        import platform
-        model = platform.processor() or platform.machine()
-    return {"cpu": model, "cpu_flags": hashlib.sha1(flags.encode()).hexdigest()[:12],
+    return {"cpu": cpu_name(), "cpu_flags": hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:12],
             "torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": list(KERNELS)}
 
 
@@ -272,11 +252,9 @@ def remember(key, name):
 
 
 def row_dtype(layer):
-    """The dtype of the rows a kernel multiplies by the layer's weight: int8 for a W8A8Linear (quantize_rows), the
-    scales' dtype for a weight-only int8 layer (quantize.py: it computes in it), else the weight's."""
-    if isinstance(layer, W8A8Linear):
-        return torch.int8
-    return layer.scales.dtype if hasattr(layer, "scales") else layer.weight.dtype
+    """The dtype of the rows a kernel multiplies by the layer's weight: an int8 layer's own row_dtype (quantize.py),
+    else the weight's."""
+    return getattr(layer, "row_dtype", layer.weight.dtype)
 
 
 def random_rows(layer, rows):
@@ -313,7 +291,7 @@ def run_layers(kernel, layers, inputs):
 def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
     """The name of the fastest of the candidates (names) over all layers at rows rows: each runs every layer once
     per repeat, compiled if the step will be (inductor writes some products, e.g. torch.mv, as loops of its own,
-    2x faster than the library's eager; compiling takes a few seconds, once per machine)."""
+    faster than the library's eager; compiling takes a few seconds, once per machine)."""
     inputs = [random_rows(layer, rows) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
@@ -367,44 +345,70 @@ def fastest_kernel(layers, rows, compiled):
     return choices[key]
 
 
-def decode_linear(layer, chosen, x):
-    """layer(x) through the kernel chosen (a dict: rows -> kernel name) for x's row count, else for the most rows
-    measured, if x is decode-sized (a COMPILED_ONLY kernel only while compiling); an int8 layer's rows are scaled
-    after the product (a W8A8Linear's quantized first)."""
-    n_rows = x.numel() // x.size(-1)
-    kernel = chosen.get(n_rows, chosen[max(chosen)])
-    if n_rows > DECODE_ROWS or kernel == "torch" or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
-        return type(layer).forward(layer, x)  # a prefill (more rows than were measured), or an eager step
-    if isinstance(layer, W8A8Linear):
-        rows, row_scales = quantize_rows(x)  # int8 (..., in), float32 (..., 1)
-        return layer.scaled(KERNELS[kernel](rows, layer.weight, None), row_scales, x.dtype)
-    if isinstance(layer, Int8WeightOnlyLinear):
-        return layer.scaled(KERNELS[kernel](x, layer.weight, None))
-    return KERNELS[kernel](x, layer.weight, layer.bias)
+class DecodeLinear(nn.Module):
+    """A linear layer (nn.Linear, or quantize.py's int8 ones) as decode_linears swaps it in: decode-sized inputs run
+    the kernel chosen (chosen: rows -> kernel name) for their row count, else for the most rows chosen; a prefill
+    (more rows than were measured) or an eager step of a compiled-only kernel runs the layer's own forward. It holds
+    the layer's own tensors under their names and its forward hooks, so the model's state_dict is unchanged, and
+    print(model) shows it."""
+
+    def __init__(self, layer, chosen):
+        super().__init__()
+        self._parameters.update(layer._parameters)
+        self._buffers.update(layer._buffers)
+        self.in_features, self.out_features, self.chosen = layer.in_features, layer.out_features, chosen
+        self.layer_forward, self.layer_repr = layer.forward, layer.extra_repr()  # the layer itself is no submodule
+        self.layer_through = getattr(layer, "through", None)  # an int8 layer scales its rows after the product
+        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            setattr(self, hooks, getattr(layer, hooks))  # the layer's hooks still run (given this module)
+
+    def forward(self, x):
+        n_rows = x.numel() // x.size(-1)
+        kernel = self.chosen.get(n_rows, self.chosen[max(self.chosen)])
+        if n_rows > DECODE_ROWS or kernel == "torch" or (kernel in COMPILED_ONLY and not torch.compiler.is_compiling()):
+            return self.layer_forward(x)
+        if self.layer_through is not None:
+            return self.layer_through(KERNELS[kernel], x)
+        return KERNELS[kernel](x, self.weight, self.bias)
+
+    def extra_repr(self):
+        kernels = ", ".join(f"{name} at {rows} row{'s' if rows > 1 else ''}" for rows, name in self.chosen.items())
+        return f"{self.layer_repr}, kernel {kernels}"
 
 
 def is_decode_linear(module):
-    """A linear layer on the CPU: an nn.Linear or an int8 one (quantize.py), each with .weight (out, in)."""
-    return isinstance(module, (nn.Linear, Int8WeightOnlyLinear, W8A8Linear)) and module.weight.device.type == "cpu"
+    """A linear layer on the CPU: an nn.Linear or an int8 one (quantize.py: it has `through`), each with .weight (out,
+    in)."""
+    return (isinstance(module, nn.Linear) or hasattr(module, "through")) and module.weight.device.type == "cpu"
 
 
 @contextlib.contextmanager
 def decode_linears(model, rows, compiled=False):
-    """While in the block, every linear layer of a CPU model multiplies decode-sized inputs (up to DECODE_ROWS rows)
-    with the kernel measured fastest for the model's linears at `rows` rows, compiled or not; rows may list several
-    counts (a speculative step's check and its one-token steps: (draft_k + 1, 1)), each with its own kernel. Elsewhere
-    (GPUs) nothing changes."""
+    """While in the block, every linear layer of a CPU model is a DecodeLinear (swapped in, then back), which multiplies
+    decode-sized inputs (up to DECODE_ROWS rows) with the kernel chosen for the model's linears at `rows` rows,
+    compiled or not; rows may list several counts (a speculative step's check and its one-token steps: (draft_k + 1,
+    1)), each with its own kernel. Where torch's own is chosen everywhere, or off a CPU, nothing changes."""
     linears = [m for m in model.modules() if is_decode_linear(m)]
     counts = {min(n, DECODE_ROWS) for n in ((rows,) if isinstance(rows, int) else rows)}
     chosen = {n: fastest_kernel(linears, n, compiled) for n in sorted(counts)} if linears else {}
-    for layer in linears if set(chosen.values()) - {"torch"} else []:
-        layer.forward = functools.partial(decode_linear, layer, chosen)  # this instance only
+    swapped = [(parent, name, child) for parent in list(model.modules()) for name, child in parent.named_children()
+               if is_decode_linear(child)] if set(chosen.values()) - {"torch"} else []
+    for parent, name, layer in swapped:
+        setattr(parent, name, DecodeLinear(layer, chosen))
     try:
         yield
     finally:
-        for layer in linears:
-            layer.__dict__.pop("forward", None)
+        for parent, name, layer in swapped:
+            setattr(parent, name, layer)
         packed_weights.clear()  # the weights may change after the block: packed again in the next
+
+
+def chosen_note():
+    """sample.py's line on stderr: the kernels this process's decode steps chose, and where the choice is kept."""
+    path = os.path.join(cache_dir(), "kernels.json")
+    kept = f"kept in {path}" if choices.keys() <= read_choices(path).keys() else "not kept"
+    return f"note: decode kernels chosen for this CPU: {', '.join(dict.fromkeys(choices.values()))} ({kept})"
 
 
 def use_compile_cache():

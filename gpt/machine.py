@@ -2,14 +2,20 @@
 How many CPU threads a run should use on a machine shared with other work.
 
 torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores keep
-every core's threads spinning against each other (config/small.py beside a second copy of itself: 4.3x slower
-per iteration with torch's defaults, 1.7x with one thread each; bench/bench_busy.py, bench/RESULTS.md). A run that
+every core's threads spinning against each other, several times slower than each taking its share of the cores
+(bench/bench_busy.py measures it; bench/RESULTS.md). A run that
 takes only the cores other processes leave free runs at the speed of that share. So a training run looks at how
 busy the machine is before it starts and again at every log, takes the cores left free, and says once, in one
 line, that the machine is busy and what to do.
 
     cpu = SharedCpu(requested=0)   # 0: decide from the cores actually free; N: exactly N threads
     note = cpu.check()             # at every log: the line to print the first time the machine is busy
+
+Every command that computes on the CPU shares it the same way (sample.py, eval.py, attention.py: shared_cpu()):
+
+    cpu = shared_cpu(device)       # before loading the model: the look at the machine starts
+    ...                            # load the model meanwhile (this process's own CPU time is taken out)
+    note = cpu and cpu.check()     # after: torch's threads set; the line to print (stderr), or None
 """
 
 import os
@@ -17,9 +23,31 @@ import time
 
 import torch
 
-LOOK_SECONDS = 0.25  # how long the machine is watched before a run starts (the counters tick 100 times a second)
+LOOK_SECONDS = 0.25  # the shortest look at the machine before a run starts (the counters tick 100 times a second)
+COMMAND_LOOK_SECONDS = 0.1  # a command's (shared_cpu): overlapped with loading its model, which is often shorter;
+# beside a steady load, a 0.1 s look reads within a fraction of BUSY_CORES of a 0.25 s one (bench/bench_busy.py)
 CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
+
+
+def cpuinfo_field(*keys):
+    """The first value of any of keys in /proc/cpuinfo, or None where there is no such file (macOS, Windows)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() in keys), None)
+    except OSError:
+        return None
+
+
+def cpu_name():
+    """The CPU's model name as lscpu shows it ("AMD EPYC ...", "Intel(R) Xeon(R) ..."), else the platform's word."""
+    import platform
+    return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_flags():
+    """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"); [] where they cannot be read."""
+    return (cpuinfo_field("flags", "Features") or "").split()
 
 
 def cpu_counters():
@@ -53,25 +81,32 @@ def threads_for(busy, most, cores):
 
 
 class SharedCpu:
-    """The run's CPU threads (torch.set_num_threads), chosen before it starts and again at each check() from how
-    busy other processes keep the machine. requested > 0, or OMP_NUM_THREADS set: that many, never changed."""
+    """The run's CPU threads (torch.set_num_threads), chosen at the first check() and again at each later one from
+    how busy other processes keep the machine. requested > 0, or OMP_NUM_THREADS set: that many, never changed.
 
-    def __init__(self, requested=0, cores=None, counters=cpu_counters):
-        self.cores, self.counters, self.said = cores or os.cpu_count(), counters, False
+    The look at the machine starts here and ends at the first check(), `look` seconds later at the earliest (it
+    waits for the rest): work this process does meanwhile, such as loading the model, overlaps it, its own CPU time
+    taken out of the counters. choose: how the user picks a count instead, as the note says it."""
+
+    def __init__(self, requested=0, cores=None, counters=None, choose="pass --threads=N", look=LOOK_SECONDS):
+        self.cores, self.counters, self.said = cores or os.cpu_count(), counters or cpu_counters, False
+        self.choose = choose
         self.fixed = requested > 0 or "OMP_NUM_THREADS" in os.environ
         if requested > 0:
             torch.set_num_threads(requested)
         self.most = torch.get_num_threads()
         self.last = None if self.fixed or self.most <= 1 else self.counters()  # one thread: nothing to take away
-        self.span = LOOK_SECONDS
-        if self.last is not None:
-            time.sleep(LOOK_SECONDS)  # while this process sleeps, what the counters see is other processes' work
+        self.span = look
+        self.look_ends = time.monotonic() + look  # the first check reads no sooner
 
     def check(self):
         """Take the cores left free since the last check; the one line to print the first time the machine is busy
         (what is happening and what the user can do), else None."""
         if self.last is None:
             return None
+        if self.look_ends is not None:  # the first look: `look` seconds at least, whatever ran meanwhile
+            time.sleep(max(0.0, self.look_ends - time.monotonic()))
+            self.look_ends = None
         now = self.counters()
         if now is None or (now[0] - self.last[0]) / self.cores < 0.9 * self.span:
             return None  # too short a span to read (logs a few ms apart): wait for a longer one
@@ -85,4 +120,17 @@ class SharedCpu:
         crowded = "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
         return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so this "
                 f"run takes {threads} thread{'s' * (threads > 1)} (not {self.most}) and is slower than on a quiet "
-                "machine; stop them for full speed, or pass --threads=N to choose")
+                f"machine; stop them for full speed, or {self.choose} to choose")
+
+
+def shared_cpu(device, threads=None):
+    """A command's SharedCpu where it computes on the CPU (device "cpu"; on another device only if threads asks for
+    a count), else None. Call it before loading the model, and check() once after: the look at the machine
+    (COMMAND_LOOK_SECONDS at least) overlaps the load, and check() sets torch's threads and returns the line to
+    print (stderr), or None.
+    threads: the command's --threads (0: the cores left free), or None where it has no such setting (its line
+    then says OMP_NUM_THREADS chooses)."""
+    if torch.device(device).type != "cpu" and not threads:
+        return None
+    return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N",
+                     look=COMMAND_LOOK_SECONDS)

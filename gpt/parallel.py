@@ -17,34 +17,35 @@ any run resumes under DDP, FSDP or one process, on any number of processes.
 """
 
 import contextlib
-import functools
 import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
+
+from gpt import UserError
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
 
 def checkpoint_blocks(model):
-    """Activation checkpointing: each block's forward runs under torch.utils.checkpoint (this instance only)."""
-    for block in model.layers:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    """Activation checkpointing: each block of model.layers is replaced by torch's CheckpointWrapper around it
+    (print(model) shows it), whose forward runs the block under torch.utils.checkpoint (non-reentrant). The
+    wrapper's state_dict hooks leave its prefix out of the keys, so the state dict is a plain GPT's."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block)
 
 
 def compile_blocks(model, backend="inductor"):
-    """torch.compile each block's forward on its own (FSDP's way: its gather and free hooks stay outside the
-    graphs). The forward is compiled, after checkpoint_blocks wrapped it, not the module (block.compile()): that
-    compiles Module._call_impl, whose call into torch.utils.checkpoint Dynamo does not trace, so with activation
-    checkpointing nothing was compiled; compiled from outside, Dynamo traces the checkpoint as one region."""
+    """torch.compile each block on its own (FSDP's way), with the module's own API: block.compile() compiles its
+    call, activation checkpointing's wrapper included, so Dynamo traces the checkpoint as one region."""
     for block in model.layers:
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.compile(backend=backend)
 
 
 def shard(model, param_dtype):
@@ -153,10 +154,17 @@ def load_optimizer_states(model, optimizers, states):
         if not isinstance(model, FSDPModule):
             optimizer.load_state_dict(state)
             continue
-        names = {param: name for name, param in model.named_parameters()}
+        names = state_dict_names(model)
         ordered = [names[param] for group in optimizer.param_groups for param in group["params"]]
         set_optimizer_state_dict(model, optimizer, by_name(state, ordered),
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def state_dict_names(model):
+    """Each parameter's name as the model's state dict (and torch.distributed.checkpoint) has it: named_parameters()
+    with activation checkpointing's wrappers left out (layers.0._checkpoint_wrapped_module.mlp... is layers.0.mlp...;
+    the wrapper's own state_dict hooks drop the prefix the same way)."""
+    return {param: name.replace(_CHECKPOINT_PREFIX, "") for name, param in model.named_parameters()}
 
 
 # torch.distributed.checkpoint keys the optimizer's state by parameter name, ckpt.pt (torch's own format) by the
@@ -178,3 +186,35 @@ def by_name(state, names):
     return {"state": {names[i]: value for i, value in state["state"].items()},
             "param_groups": [dict(group, params=[names[i] for i in group["params"]])
                              for group in state["param_groups"]]}
+
+
+def start_processes(device):
+    """(rank, world_size, device) of a process that torchrun started (RANK, LOCAL_RANK, WORLD_SIZE), its process
+    group started. Checked first by every process alike: one line each, no rendezvous left waiting."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if device.startswith("mps"):  # gloo's collectives carry CPU and CUDA tensors only
+        raise UserError("torchrun's processes talk through gloo, which cannot carry MPS tensors: on a Mac train in "
+                        "one process (python train.py ...), or pass --device=cpu to torchrun")
+    if device.startswith("cuda"):
+        local_rank, count = int(os.environ["LOCAL_RANK"]), torch.cuda.device_count()
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1))
+        if processes > count:
+            raise UserError(f"torchrun started {processes} processes on this node, but it has {count} CUDA GPU(s), "
+                            f"one per process; pass --nproc_per_node={count}")
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    return rank, world_size, device
+
+
+def check_fsdp(optimizer, dtype, distributed, ptdtype):
+    """fsdp=True's refusals: one process, Muon (it needs whole matrices), float16 (its scaler is not sharded)."""
+    if not distributed:
+        raise UserError("fsdp=True shards the model across processes: run it under torchrun, e.g. torchrun "
+                        "--standalone --nproc_per_node=2 train.py ... --fsdp=True (or drop --fsdp)")
+    if optimizer == "muon":
+        raise UserError("optimizer=muon orthogonalizes whole matrices, which fsdp=True splits across processes; "
+                        "use optimizer=adamw with fsdp, or muon without it (DDP)")
+    if ptdtype == torch.float16:  # dtype=auto picks float16 only on cards without bfloat16 (before sm80)
+        instead = "--dtype=float32 (this card has no bfloat16)" if dtype == "auto" else "--dtype=bfloat16 or float32"
+        raise UserError(f"fsdp=True does not take float16 (its gradient scaler is not sharded here); pass {instead}")

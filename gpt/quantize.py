@@ -10,27 +10,25 @@ y = (x W_int8^T) * scale, the int8 weight cast to the activations' dtype inside 
 activations keep the model's precision, nothing of them is quantized. The same layer on every device:
 - Compiled (sample.py --compile=True), a step reads int8 weights: on a CPU, kernels.py writes each decode-sized
   product as a reduction, which inductor compiles into one loop that casts and multiplies as it streams the int8
-  weights (3.2-3.4 ms a token for GPT-2-small on a 2-core AMD EPYC, 0.77-0.93x llama.cpp's q8_0; bench/RESULTS.md); on CUDA,
-  coordinate-descent tuning (engine.CUDA_COMPILE_OPTIONS) makes inductor turn a one-row product into such a
-  reduction itself. At batch > 1 on a GPU (a one-row product no more), and eager anywhere, each step first writes
-  a float copy of every weight and multiplies that: more bytes than float32, so slower; sample.py compiles int8
-  on a CPU by default. (torch 2.13 ignores inductor's use_mixed_mm; its prologue fusion needs max-autotune's
-  Triton templates.) Shown by tracing on the CPU (tests/test_quantize.py); the GPU's speed is bench/gpu_check.py's.
-- Not fbgemm's dynamic int8 (torch's quantize_dynamic, this repo's CPU form until issue 28): it quantizes the
-  activations too, so its rows' results depended on how their range was pinned, and torch.compile cannot trace
-  its packed weights. Compiled, the weight-only form is ~2x faster (bench/RESULTS.md).
+  weights (about llama.cpp's q8_0 speed: bench/RESULTS.md); on CUDA, coordinate-descent tuning
+  (engine.CUDA_COMPILE_OPTIONS) makes inductor turn a one-row product into such a reduction itself. At batch > 1 on
+  a GPU (a one-row product no more), and eager anywhere, each step first writes a float copy of every weight and
+  multiplies that: more bytes than float32, so slower; sample.py compiles int8 on a CPU by default. (torch 2.13
+  ignores inductor's use_mixed_mm; its prologue fusion needs max-autotune's Triton templates.) Shown by tracing on
+  the CPU (tests/test_quantize.py); the GPU's speed is bench/gpu_check.py's.
+- Not fbgemm's dynamic int8 (torch's quantize_dynamic, this repo's earlier CPU form): it quantizes the activations
+  too, so its rows' results depended on how their range was pinned, and torch.compile cannot trace its packed
+  weights; compiled, the weight-only form is faster (bench/RESULTS.md).
 
 "w8a8" quantizes the activations too, each row on its own grid at run time (its largest magnitude / 127), and
 multiplies int8 by int8 with exact integer sums: llama.cpp's q8_0 does the same with a scale per 32 values. A
 one-row product reads the same int8 weights as "int8"; several rows (a batch, a speculative check) cost little more,
-where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU. A GPT-2-small step's
-products on an AMD EPYC with VNNI (int8 dot products), ms at 1 / 5 / 8 rows: w8a8 3.5 / 5.2 / 5.8 (torch._int_mm,
-then oneDNN's packed int8 product), weight-only int8 2.8 / 7.6 / 10.2 (bench/bench_kernels.py, one run; kernels.py
-picks by measurement, and drops both int8 kernels on a CPU without VNNI, where their sums saturate). So "int8" is
-the faster at batch 1 and "w8a8" at several rows. Each row keeps its own scale, so a row's result never depends on
-the others in its batch (fbgemm's dynamic int8, above, took one scale per call). Its layer's own forward, for
-prefills and devices without such a kernel, multiplies the rows' integers in float32.
-The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
+where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU. So "int8" is the
+faster at batch 1 and "w8a8" at several rows (bench/bench_kernels.py; kernels.py picks each product's kernel by
+measurement, and drops both int8 x int8 kernels on a CPU without VNNI, where their sums saturate). Each row keeps its
+own scale, so a row's result never depends on the others in its batch (fbgemm's dynamic int8, above, took one scale
+per call). Its layer's own forward, for prefills and devices without such a kernel, multiplies the rows' integers
+in float32. The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
 """
 
 
@@ -38,21 +36,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpt import UserError
+
 SCHEMES = ("int8", "w8a8")
 
 
-class QuantizeError(Exception):
-    """A quantization the user asked for that cannot run here; the message is one line saying what to do."""
-
-
 def check_quantize(scheme, device="cpu"):
-    """Raise QuantizeError unless scheme is one this file knows (None or "" for none) and pays on device. Both
+    """Raise UserError unless scheme is one this file knows (None or "" for none) and pays on device. Both
     layers are plain torch ops that run wherever F.linear does, but w8a8's int8 products have kernels on a CPU only
     (kernels.py): elsewhere its layers multiply a float32 copy of every weight each step, slower than float32."""
     if scheme and scheme not in SCHEMES:
-        raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
+        raise UserError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
     if scheme == "w8a8" and not device.startswith("cpu"):
-        raise QuantizeError(f"--quantize=w8a8 is a CPU mode (on {device} it would multiply a float32 copy of every "
+        raise UserError(f"--quantize=w8a8 is a CPU mode (on {device} it would multiply a float32 copy of every "
                             "weight each step); use --quantize=int8 there")
 
 
@@ -81,8 +77,16 @@ class Int8WeightOnlyLinear(nn.Module):
         super().__init__()
         hold_int8(self, linear, linear.weight.dtype)
 
+    @property
+    def row_dtype(self):  # the dtype of the rows a kernel multiplies the int8 weight by: the model's (kernels.py)
+        return self.scales.dtype
+
     def forward(self, x):  # x (..., in) -> (..., out)
         return self.scaled(F.linear(x, self.weight.to(x.dtype)))
+
+    def through(self, kernel, x):
+        """The layer's output with kernel(x, weight, bias) (one of kernels.py's) as its product."""
+        return self.scaled(kernel(x, self.weight, None))
 
     def scaled(self, products):
         """The layer's output from the product (..., out) of x and the int8 weight (any kernel's)."""
@@ -101,6 +105,8 @@ class W8A8Linear(nn.Module):
     each input row quantized to int8 at run time with its own scale (quantize_rows); the product's sums are whole
     numbers, the scales are applied after it, and y and the bias keep the model's dtype."""
 
+    row_dtype = torch.int8  # what a kernel multiplies the int8 weight by: the rows quantized (kernels.py)
+
     def __init__(self, linear):
         super().__init__()
         hold_int8(self, linear, torch.float32)  # scales in float32: applied to float32 sums
@@ -110,6 +116,11 @@ class W8A8Linear(nn.Module):
         # float32 sums of int8 products are whole numbers while below 2^24: ~1000 products of 127 x 127 reach it,
         # real rows stay far below (and a kernel's int32 sums are exact)
         return self.scaled(F.linear(rows.float(), self.weight.float()), row_scales, x.dtype)
+
+    def through(self, kernel, x):
+        """The layer's output with kernel(int8 rows, weight, bias) (one of kernels.py's) giving the integer sums."""
+        rows, row_scales = quantize_rows(x)  # int8 (..., in), float32 (..., 1)
+        return self.scaled(kernel(rows, self.weight, None), row_scales, x.dtype)
 
     def scaled(self, sums, row_scales, dtype):
         """The layer's output from the integer sums (..., out) of its rows' product (any kernel's), in dtype."""

@@ -16,8 +16,8 @@ import shlex
 import numpy as np
 import torch
 
+from gpt import UserError
 from gpt.files import atomic_open, write_failure
-from gpt.tokenizer import GPT2_META  # a folder of llm.c shards without meta.json is GPT-2 tokens, what llm.c writes
 
 MAGIC = 20240520  # llm.c's token shard magic
 HEADER_INTS = 256
@@ -25,19 +25,15 @@ HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtype
 
 
-class DataError(Exception):
-    """A problem with the data that the user can fix; the message is one line saying what to do."""
-
-
 @contextlib.contextmanager
 def dataset_file(path):
     """atomic_open(path): a crash or a full disk never leaves a half-written file, and a failed write (disk
-    full, over quota) is a one-line DataError naming the file."""
+    full, over quota) is a one-line UserError naming the file."""
     try:
         with atomic_open(path) as f:
             yield f
     except OSError as e:
-        raise DataError(f"could not write {path} ({write_failure(e)}); no partial file was left: "
+        raise UserError(f"could not write {path} ({write_failure(e)}); no partial file was left: "
                         "fix that and run the same command again") from None
 
 
@@ -45,9 +41,9 @@ def write_shard(path, tokens):
     """Write tokens as one shard, atomically; uint16 (version 1) when every token fits, else uint32 (version 2)."""
     tokens = np.asarray(tokens)
     if len(tokens) >= 2**31:
-        raise DataError(f"{path}: {len(tokens):,} tokens do not fit one shard's int32 count; use smaller shards")
+        raise UserError(f"{path}: {len(tokens):,} tokens do not fit one shard's int32 count; use smaller shards")
     if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**32):
-        raise DataError(f"{path}: token ids must lie in [0, 2**32)")
+        raise UserError(f"{path}: token ids must lie in [0, 2**32)")
     version = 1 if len(tokens) == 0 or tokens.max() < 2**16 else 2
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:3] = MAGIC, version, len(tokens)
@@ -60,16 +56,16 @@ def read_shard(path):
     """The tokens of a shard as a read-only memory map, after checking its header against the file size."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
-        raise DataError(f"{path}: {size} bytes is too short for the {HEADER_BYTES}-byte header; delete it and re-run the prepare script")
+        raise UserError(f"{path}: {size} bytes is too short for the {HEADER_BYTES}-byte header; delete it and re-run the prepare script")
     magic, version, count = np.fromfile(path, dtype="<i4", count=3)
     if magic != MAGIC:
-        raise DataError(f"{path}: not a token shard (magic {magic}, expected {MAGIC}); re-run the prepare script")
+        raise UserError(f"{path}: not a token shard (magic {magic}, expected {MAGIC}); re-run the prepare script")
     if version not in TOKEN_DTYPES:
-        raise DataError(f"{path}: unsupported shard version {version} (this code reads 1 and 2); re-run the prepare script")
+        raise UserError(f"{path}: unsupported shard version {version} (this code reads 1 and 2); re-run the prepare script")
     dtype = TOKEN_DTYPES[version]
     expected = HEADER_BYTES + int(count) * dtype.itemsize
     if size != expected:
-        raise DataError(f"{path}: file is {size} bytes but its header promises {count} tokens ({expected} bytes); "
+        raise UserError(f"{path}: file is {size} bytes but its header promises {count} tokens ({expected} bytes); "
                         "it is truncated or corrupt, delete it and re-run the prepare script")
     if count == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=dtype)
@@ -136,7 +132,7 @@ def require_dir(data_dir):
     if not os.path.isdir(data_dir):
         command = prepare_command(data_dir)  # data/<name>/prepare.py exists but has not been run: run it
         hint = f"prepare it with `{command}`" if command else datasets_hint(data_dir)
-        raise DataError(f"dataset folder {data_dir} not found; {hint}")
+        raise UserError(f"dataset folder {data_dir} not found; {hint}")
 
 
 def load_meta(data_dir):
@@ -144,15 +140,17 @@ def load_meta(data_dir):
     require_dir(data_dir)
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
+        from gpt.tokenizer import GPT2_META  # what llm.c writes
+
         return dict(GPT2_META)
     try:
         with open(path) as f:
             meta = json.load(f)
         vocab_size = meta["vocab_size"]
     except (ValueError, KeyError, TypeError):
-        raise DataError(f"{path}: not valid metadata (needs a JSON object with vocab_size); {rerun(data_dir)}") from None
+        raise UserError(f"{path}: not valid metadata (needs a JSON object with vocab_size); {rerun(data_dir)}") from None
     if not isinstance(vocab_size, int) or vocab_size < 1:
-        raise DataError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; {rerun(data_dir)}")
+        raise UserError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; {rerun(data_dir)}")
     return meta
 
 
@@ -160,7 +158,7 @@ def check_vocab(data_dir, model_vocab_size):
     """Fail early if the data can hold token ids the model has no embedding for."""
     meta = load_meta(data_dir)
     if meta["vocab_size"] > model_vocab_size:
-        raise DataError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size {meta['vocab_size']} exceeds the model's "
+        raise UserError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size {meta['vocab_size']} exceeds the model's "
                         f"vocab_size {model_vocab_size}; set the model's vocab_size to at least {meta['vocab_size']}")
     return meta
 
@@ -173,7 +171,7 @@ def find_shards(data_dir, split):
         command = prepare_command(data_dir)
         how = f"prepare them with `{command}`" if command else \
             "write them with a prepare script's --out_dir (data/README.md)"
-        raise DataError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {how}")
+        raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {how}")
     return paths
 
 
@@ -199,7 +197,7 @@ class ShardLoader:
         self.windows_per_rank = [n // world_size for n in self.windows]
         if sum(self.windows_per_rank) == 0:
             n_tokens = sum(len(s) for s in self.shards)
-            raise DataError(f"{data_dir}: the {split} split ({n_tokens} tokens in {len(self.shards)} shards) is shorter than "
+            raise UserError(f"{data_dir}: the {split} split ({n_tokens} tokens in {len(self.shards)} shards) is shorter than "
                             f"one window of block_size + 1 = {self.window_len} tokens per shard and rank; "
                             "lower block_size or prepare more data")
         self.epoch, self.shard, self.window = 0, 0, 0
@@ -216,7 +214,7 @@ class ShardLoader:
         epoch, shard, window = int(state["epoch"]), int(state["shard"]), int(state["window"])
         window = window * int(state.get("world_size", self.world_size)) // self.world_size  # older: same ranks
         if not 0 <= shard < len(self.shards) or window < 0:
-            raise DataError(f"loader position {state} does not fit the {len(self.shards)} shards of {self.paths[0]} and "
+            raise UserError(f"loader position {state} does not fit the {len(self.shards)} shards of {self.paths[0]} and "
                             "its siblings; the data changed since the checkpoint, resume with the data it was made from")
         self.epoch, self.shard, self.window = epoch, shard, window
 

@@ -3,7 +3,7 @@ Text to token ids and back: one Tokenizer for every vocabulary this repo meets, 
 (what data/<dataset>/meta.json and checkpoints hold):
 
 - {"tokenizer": "char", "chars": [...]}: one token per character (Tiny Shakespeare by character);
-- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken, from the files that ship in tokenizer_files/gpt2/
+- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken, from the files that ship in gpt/tokenizer_files/gpt2/
   (no network needed);
 - {"tokenizer": "bpe", "path": ".../tokenizer.json"}: another byte-level BPE from a Hugging Face folder
   (Llama 3, Qwen), read through tiktoken when tiktoken reproduces it exactly, refused otherwise.
@@ -16,15 +16,13 @@ import json
 import os
 import unicodedata
 
+from gpt import UserError
+
 GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
 # GPT-2's vocab.bpe and encoder.json as tiktoken downloads them for "gpt2", byte for byte (OpenAI's Modified MIT
 # License, with them)
 GPT2_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_files", "gpt2")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-
-class TokenizerError(ValueError):
-    """A text or tokenizer file this tokenizer cannot handle; the message says what and why."""
 
 
 def char_meta(text):
@@ -55,7 +53,7 @@ class Tokenizer:
             return self.enc.encode(text, allowed_special="all") if special_tokens else self.enc.encode_ordinary(text)
         unknown = sorted(set(text) - self.index.keys())
         if unknown:
-            raise TokenizerError(f"characters the model's tokenizer does not know: {''.join(unknown)!r}; "
+            raise UserError(f"characters the model's tokenizer does not know: {''.join(unknown)!r}; "
                                  "use only characters of its training text")
         return [self.index[c] for c in text]
 
@@ -88,7 +86,7 @@ class Tokenizer:
 
 
 def named_encoding(name):
-    """tiktoken's encoding `name` ("gpt2", ...). GPT-2's is built from the files in tokenizer_files/gpt2/, with no
+    """tiktoken's encoding `name` ("gpt2", ...). GPT-2's is built from the files in gpt/tokenizer_files/gpt2/, with no
     network and no cache; tiktoken's own loading (download on first use, then its cache) is for other names, and
     for GPT-2's only if that folder is missing. Offline with no cached copy that fails, and the error says where
     tiktoken looks for a local copy."""
@@ -103,8 +101,8 @@ def named_encoding(name):
         return tiktoken.get_encoding(name)
     except Exception as e:  # no network: requests' ConnectionError; an unknown name: ValueError; ...
         reason = (str(e) or type(e).__name__).splitlines()[0][:160]
-        shipped = f"restore {GPT2_FILES} (git checkout -- tokenizer_files) or " if name == "gpt2" else ""
-        raise TokenizerError(f"cannot load tiktoken's {name!r} encoding ({reason}); offline, {shipped}set "
+        shipped = f"restore {GPT2_FILES} (git checkout -- gpt/tokenizer_files) or " if name == "gpt2" else ""
+        raise UserError(f"cannot load tiktoken's {name!r} encoding ({reason}); offline, {shipped}set "
                              "TIKTOKEN_CACHE_DIR to a folder holding a cached copy of its files") from None
 
 
@@ -133,8 +131,8 @@ def shipped_gpt2():
     else:
         reason = ""
     if not consistent:
-        raise TokenizerError(f"{GPT2_FILES}: vocab.bpe or encoder.json is damaged{reason}; restore them "
-                             "from git (git checkout -- tokenizer_files)")
+        raise UserError(f"{GPT2_FILES}: vocab.bpe or encoder.json is damaged{reason}; restore them "
+                             "from git (git checkout -- gpt/tokenizer_files)")
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: eot}, explicit_n_vocab=GPT2_META["vocab_size"])
 
@@ -172,7 +170,7 @@ def tiktoken_encoding(path):
                 and all(step.get("behavior") == "Isolated" and not step.get("invert") for step in splits)
                 and (spec.get("normalizer") or {}).get("type") in (None, "NFC"))
     if not readable:
-        raise TokenizerError(f"{path}: only byte-level BPE tokenizers that split by one regex (GPT-2, Llama 3, Qwen) "
+        raise UserError(f"{path}: only byte-level BPE tokenizers that split by one regex (GPT-2, Llama 3, Qwen) "
                              "can be read here")
     pattern = regexes[0]
     to_byte = {u: b for b, u in byte_to_unicode().items()}
@@ -180,7 +178,7 @@ def tiktoken_encoding(path):
     ranks = {bytes(to_byte[ch] for ch in text): i for text, i in vocab.items()}
     merged_ids = [vocab.get("".join(m.split(" ", 1) if isinstance(m, str) else m)) for m in model.get("merges", [])]
     if any(a is None or b is None or a >= b for a, b in zip(merged_ids, merged_ids[1:])):
-        raise TokenizerError(f"{path}: token ids do not follow the merge order, so tiktoken cannot reproduce it")
+        raise UserError(f"{path}: token ids do not follow the merge order, so tiktoken cannot reproduce it")
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t["content"] not in vocab}
     return tiktoken.Encoding(name=os.path.basename(os.path.dirname(os.path.abspath(path))), pat_str=pattern,
                              mergeable_ranks=ranks, special_tokens=special)
@@ -190,14 +188,14 @@ def gpt2_ranks():
     """tiktoken's GPT-2 vocabulary, or None when its files can't be had."""
     try:
         return named_encoding("gpt2")._mergeable_ranks
-    except TokenizerError:
+    except UserError:
         return None
 
 
 def tokenizer_json_meta(path, eot_token=None):
     """The meta dict of a tokenizer.json. GPT-2's BPE and one-token-per-character vocabularies get the meta
     that data prepared here has; any other byte-level BPE that tiktoken reads exactly becomes
-    {"tokenizer": "bpe", "path": ...}; anything else is a TokenizerError."""
+    {"tokenizer": "bpe", "path": ...}; anything else is a UserError."""
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     model = spec.get("model") or {}

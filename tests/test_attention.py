@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import attention
+from gpt import UserError
 from gpt.checkpoint import save_checkpoint
-from model import GPT, GPTConfig, can_attend
 from gpt.tokenizer import char_meta
+from model import GPT, GPTConfig, can_attend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -112,7 +113,7 @@ def test_command_writes_the_picture_and_the_statistics(checkpoint_dir, tmp_path,
     ([f"--prompt={TEXT * 2}"], "reads at most block_size=32"),
 ])
 def test_bad_input_is_a_one_line_error(checkpoint_dir, tmp_path, args, needle):
-    with pytest.raises(attention.AttentionError) as error:
+    with pytest.raises(UserError) as error:
         attention.main([f"--out_dir={checkpoint_dir}", f"--out={tmp_path / 'x.png'}", *args])
     assert needle in str(error.value) and "\n" not in str(error.value)
     assert not os.path.exists(tmp_path / "x.png")

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gpt import checkpoint
 import train
-from gpt.checkpoint import CheckpointError, load_model, resolve_device, resolve_dtype
 from configurator import configure
-from test_train import ROOT, TINY, in_dir, records, workdir  # noqa: F401 (workdir is a fixture)
+from gpt import UserError, checkpoint
+from gpt.checkpoint import load_model, resolve_device, resolve_dtype
+from test_train import ROOT, TINY, in_dir, records, workdir  # noqa: F401(workdir is a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -153,7 +153,7 @@ def test_a_checkpoint_of_another_model_py_names_the_tensors(monkeypatch, tmp_pat
 def test_tensors_of_another_shape_are_named_five_at_most(monkeypatch, tmp_path):
     path = save_tiny_checkpoint(tmp_path / "ckpt.pt", n_layer=4)  # 8 tensors of another shape
     monkeypatch.setattr(checkpoint, "GPT", WiderMLPs)
-    with pytest.raises(CheckpointError) as error:
+    with pytest.raises(UserError) as error:
         load_model(path)
     names = "other shape: layers.0.mlp.gate_proj.weight 64x16 (model: 128x16), layers.0.mlp.up_proj.weight"
     assert_does_not_fit(str(error.value), path, names)
@@ -165,7 +165,7 @@ def test_a_file_that_is_not_a_checkpoint_is_called_so(tmp_path):
     """A bare state dict (torch.save(model.state_dict())) loads as a file but is no train.py checkpoint."""
     torch.save(checkpoint.GPT(checkpoint.GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_kv_head=1,
                                                    n_embd=16)).state_dict(), tmp_path / "ckpt.pt")
-    with pytest.raises(CheckpointError, match="is not a checkpoint written by train.py"):
+    with pytest.raises(UserError, match="is not a checkpoint written by train.py"):
         load_model(str(tmp_path / "ckpt.pt"))
 
 
@@ -177,5 +177,5 @@ def test_device_and_dtype_settings():
     if not torch.cuda.is_available() and not torch.backends.mps.is_available():
         assert resolve_device("auto") == "cpu"
     assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("float16", "cpu") == torch.float16
-    with pytest.raises(CheckpointError, match="dtype must be"):
+    with pytest.raises(UserError, match="dtype must be"):
         resolve_dtype("float8", "cpu")

@@ -18,6 +18,7 @@ import compare
 import plot
 import train
 from data.shakespeare_char import prepare as prepare_char
+from gpt import UserError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -111,7 +112,7 @@ def train_here(argv, log_path):
     with open(log_path, "a") as log, contextlib.redirect_stdout(log):
         try:
             train.main(argv)
-        except train.TrainError as e:
+        except UserError as e:
             print(f"error: {e}")
             return 1
     return 0
@@ -150,7 +151,7 @@ def test_an_interrupted_comparison_resumes_to_the_same_result(in_workdir, monkey
         return train_here(argv + ["--max_iters=9"] if len(calls) == 2 else argv, log_path)
 
     monkeypatch.setattr(compare, "run_training", stopped_halfway)
-    with pytest.raises(compare.CompareError, match="wide seed 1337 stopped before its budget"):
+    with pytest.raises(UserError, match="wide seed 1337 stopped before its budget"):
         compare.main(comparison_args("parts", *groups, iters=20))
     monkeypatch.setattr(compare, "run_training", train_here)
     calls.clear()
@@ -173,10 +174,10 @@ def test_more_seeds_and_a_new_group_reuse_the_finished_runs(in_workdir, monkeypa
 
 def test_a_run_started_with_other_code_is_not_continued(in_workdir, monkeypatch):
     monkeypatch.setattr(compare, "run_training", lambda argv, log: train_here(argv + ["--max_iters=5"], log))
-    with pytest.raises(compare.CompareError, match="stopped before its budget"):
+    with pytest.raises(UserError, match="stopped before its budget"):
         compare.main(comparison_args("edited", f"base={TINY}"))
     monkeypatch.setattr(compare, "code_version", lambda: "edited")
-    with pytest.raises(compare.CompareError, match="was started with other code .* undo the edit"):
+    with pytest.raises(UserError, match="was started with other code .* undo the edit"):
         compare.main(comparison_args("edited", f"base={TINY}"))
 
 
@@ -215,7 +216,7 @@ BAD = {  # command -> the start of its one-line error
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_line_and_writes_nothing(in_workdir, case):
     args, message = BAD[case]
-    with pytest.raises(compare.CompareError) as e:
+    with pytest.raises(UserError) as e:
         compare.main(args + [f"--out_dir=bad-{case}"])
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert not os.path.exists(f"bad-{case}/comparison.json")
@@ -225,14 +226,14 @@ def test_an_out_dir_of_another_comparison_or_anything_else_is_not_touched(in_wor
     compare.main(comparison_args("taken", f"a={TINY}", seeds=1))
     with open("taken/comparison.json") as f:
         before = f.read()
-    with pytest.raises(compare.CompareError, match="a comparison at another budget"):
+    with pytest.raises(UserError, match="a comparison at another budget"):
         compare.main(comparison_args("taken", f"a={TINY}", seeds=1, iters=13))
-    with pytest.raises(compare.CompareError, match="has a group a with other arguments"):
+    with pytest.raises(UserError, match="has a group a with other arguments"):
         compare.main(comparison_args("taken", f"a={TINY} --mlp=relu2", seeds=1))
     with open("taken/comparison.json") as f:
         assert f.read() == before
     os.makedirs("somebody/else")
-    with pytest.raises(compare.CompareError, match="somebody exists and holds no comparison.json"):
+    with pytest.raises(UserError, match="somebody exists and holds no comparison.json"):
         compare.main(comparison_args("somebody", f"a={TINY}", seeds=1))
     assert sorted(os.listdir("somebody")) == ["else", "lock"]  # the lock compare.py held while it looked
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from configurator import ConfigError, configure
+from configurator import configure
+from gpt import UserError
 
 DEFAULTS = dict(
     out_dir="out",
@@ -104,9 +105,9 @@ def test_bool_flag_followed_by_a_config_file_leaves_the_file_positional(tmp_path
 
 
 def test_non_bool_key_without_value_is_an_error():
-    with pytest.raises(ConfigError, match="--batch_size needs a value"):
+    with pytest.raises(UserError, match="--batch_size needs a value"):
         run("--batch_size")
-    with pytest.raises(ConfigError, match="--out_dir needs a value"):
+    with pytest.raises(UserError, match="--out_dir needs a value"):
         run("--out_dir", "--compile")
 
 
@@ -124,16 +125,16 @@ def test_non_bool_key_without_value_is_an_error():
     ],
 )
 def test_wrong_type_is_an_error_naming_the_key(arg, expected):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run(arg)
     assert str(info.value) == expected
 
 
 def test_unknown_key_suggests_the_closest_known_key():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run("--learning_rat=1e-3")
     assert str(info.value) == "unknown setting 'learning_rat' (did you mean 'learning_rate'?)"
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run("--zzzz=1")
     assert str(info.value) == "unknown setting 'zzzz'"  # no hint when nothing is close
 
@@ -164,7 +165,7 @@ def test_two_config_files_apply_in_order(tmp_path):
 
 def test_config_file_values_are_type_checked(tmp_path):
     path = write(tmp_path, "bad.py", "learning_rate = 'fast'\n")
-    with pytest.raises(ConfigError, match=r"bad\.py: learning_rate: expected a float, got 'fast'"):
+    with pytest.raises(UserError, match=r"bad\.py: learning_rate: expected a float, got 'fast'"):
         run(path)
     path = write(tmp_path, "ok.py", "learning_rate = 1\ncompile = 0\n")
     settings = run(path)
@@ -173,7 +174,7 @@ def test_config_file_values_are_type_checked(tmp_path):
 
 def test_unknown_key_in_config_file_names_the_file_and_suggests(tmp_path):
     path = write(tmp_path, "typo.py", "batchsize = 4\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run(path)
     assert str(info.value) == f"{path}: unknown setting 'batchsize' (did you mean 'batch_size'?)"
 
@@ -182,18 +183,18 @@ def test_missing_config_file_is_named_and_a_close_one_suggested(tmp_path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "small.py").write_text("")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run("config/smal.py")
     message = str(info.value)
     assert "'config/smal.py'" in message and "(did you mean 'config/small.py'?)" in message
-    with pytest.raises(ConfigError, match="'nothing_like_it.txt'") as info:
+    with pytest.raises(UserError, match="'nothing_like_it.txt'") as info:
         run("nothing_like_it.txt")
     assert "did you mean" not in str(info.value)
 
 
 def test_config_file_with_a_syntax_error(tmp_path):
     path = write(tmp_path, "broken.py", "batch_size = 4\nlearning_rate = = 1\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run(path)
     message = str(info.value)
     assert message.startswith(f"{path}, line 2: SyntaxError") and "\n" not in message
@@ -201,14 +202,14 @@ def test_config_file_with_a_syntax_error(tmp_path):
 
 def test_config_file_that_raises_reports_its_line(tmp_path):
     path = write(tmp_path, "raises.py", "batch_size = 4\n\nmax_iters = int('many')\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run(path)
     assert str(info.value) == f"{path}, line 3: ValueError: invalid literal for int() with base 10: 'many'"
 
 
 def test_config_file_error_inside_its_own_function_reports_the_innermost_line(tmp_path):
     path = write(tmp_path, "nested.py", "def _size():\n    return 1 // 0\n\nbatch_size = _size()\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         run(path)
     assert str(info.value) == f"{path}, line 2: ZeroDivisionError: integer division or modulo by zero"
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from data.shakespeare import prepare as shakespeare
-from gpt.shards import DataError, ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
+from gpt import UserError
 from gpt.files import atomic_open
+from gpt.shards import ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
 from gpt.tokenizer import named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,7 +131,7 @@ def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     # no local copy and no network: the download fails with a hint
     monkeypatch.setattr(shakespeare, "TEXT", str(tmp_path / "input.txt"))
     monkeypatch.setattr(shakespeare, "URL", "http://127.0.0.1:9/input.txt")  # port 9: nothing listens
-    with pytest.raises(DataError, match="--input"):
+    with pytest.raises(UserError, match="--input"):
         shakespeare.read_text()
     assert not os.path.exists(tmp_path / "input.txt")
 
@@ -288,10 +289,10 @@ def test_fineweb_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_resumes(tmp_
 def test_fineweb_errors_are_one_line(tmp_path, fineweb):
     line = assert_user_error(run_script("data/fineweb/prepare.py", "--out_dir", str(tmp_path)))  # hub, offline
     assert "--data_files" in line
-    with pytest.raises(DataError, match="no such files"):
+    with pytest.raises(UserError, match="no such files"):
         fineweb.main(["--data_files", str(tmp_path / "*.parquet"), "--out_dir", str(tmp_path)])
     write_corpus(tmp_path / "c.jsonl", ["a", "b"])
-    with pytest.raises(DataError, match="--text_field"):
+    with pytest.raises(UserError, match="--text_field"):
         fineweb.main(["--data_files", str(tmp_path / "c.jsonl"), "--out_dir", str(tmp_path), "--text_field", "body"])
 
 
@@ -322,37 +323,37 @@ def dataset(tmp_path):
 def test_corrupt_shard_errors(dataset, corrupt, words):
     path = dataset / "toy_train_000001.bin"
     path.write_bytes(corrupt(path.read_bytes()))
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader(dataset, "train", batch_size=2, block_size=8)
     assert_one_line(error, path, *words)
 
 
 def test_loader_errors(dataset, tmp_path):
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader(tmp_path / "nope", "train", batch_size=2, block_size=8)
     names = sorted(n for n in os.listdir(os.path.join(ROOT, "data"))
                    if os.path.isfile(os.path.join(ROOT, "data", n, "prepare.py")))
     assert_one_line(error, tmp_path / "nope", f"the datasets are {', '.join(names)} (data/<name>/prepare.py)")
     assert "shakespeare_char" in names and "data/nope/prepare.py" not in str(error.value)  # no such script
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader(dataset, "val", batch_size=2, block_size=8)
     assert_one_line(error, "*_val_*.bin", dataset)
-    with pytest.raises(DataError) as error:  # 1300 tokens cannot hold a 1301-token window
+    with pytest.raises(UserError) as error:  # 1300 tokens cannot hold a 1301-token window
         ShardLoader(dataset, "train", batch_size=2, block_size=1300)
     assert_one_line(error, dataset, "block_size")
     ShardLoader(dataset, "train", batch_size=2, block_size=1299)  # one window fits the longer shard
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         check_vocab(dataset, 2299)
     assert_one_line(error, dataset / "meta.json", 2300, 2299)
     assert check_vocab(dataset, 2300)["vocab_size"] == 2300
     (dataset / "meta.json").write_text("{not json")
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         load_meta(dataset)
     assert_one_line(error, dataset / "meta.json")
 
 
 def hinted_command(error):
-    """The command in backquotes in a DataError's message, as argv."""
+    """The command in backquotes in a UserError's message, as argv."""
     return shlex.split(re.search(r"`([^`]+)`", str(error.value)).group(1))
 
 
@@ -360,13 +361,13 @@ def test_a_dataset_whose_prepare_script_was_not_run_names_that_script_and_it_wor
     """From another directory than the repository's root, data/shakespeare_char there is made by the repository's
     script with --out_dir; the same message for a folder that exists without shards."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader("data/shakespeare_char", "train", batch_size=2, block_size=8)
     assert_one_line(error, "dataset folder data/shakespeare_char not found; prepare it with `python ")
     command = hinted_command(error)
     assert command[1] == os.path.join(ROOT, "data", "shakespeare_char", "prepare.py")
     os.makedirs("data/shakespeare_char")  # an empty folder: no shards yet
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader("data/shakespeare_char", "train", batch_size=2, block_size=8)
     assert_one_line(error, "no train shards")
     assert hinted_command(error) == command
@@ -378,11 +379,11 @@ def test_from_the_repository_root_the_prepare_command_is_the_short_one(monkeypat
     monkeypatch.chdir(ROOT)
     if glob.glob("data/fineweb/*_train_*.bin"):
         pytest.skip("data/fineweb is prepared in this checkout")
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader("data/fineweb", "train", batch_size=2, block_size=8)
     assert_one_line(error, "no train shards (*_train_*.bin) in data/fineweb; "
                            "prepare them with `python data/fineweb/prepare.py`")
-    with pytest.raises(DataError) as error:
+    with pytest.raises(UserError) as error:
         ShardLoader("data/nope", "train", batch_size=2, block_size=8)
     commands = [shlex.split(c) for c in re.findall(r"`([^`]+)`", str(error.value))]
     assert commands or "pass --dataset=" in str(error.value)  # none when every dataset is prepared here

@@ -1,6 +1,7 @@
-"""Tests for engine.py beyond what sample.py's end-to-end tests show: speculative sampling follows the target
-model's distribution (a chi-square test over many steps), each speculative step leaves both KV caches
-holding exactly the accepted tokens, and the CPU speed trick computes what nn.Linear does, only where on."""
+"""Tests for engine.py and speculative.py beyond what sample.py's end-to-end tests show: speculative sampling follows
+the target model's distribution (a chi-square test over many steps), each speculative step leaves both KV caches
+holding exactly the accepted tokens, when a model compiles by default, compiled steps of two models stay apart, a
+float16 CPU step's attention kernel, and prompt lookup's proposals."""
 
 import copy
 import math
@@ -9,7 +10,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from gpt import engine
+from gpt import engine, speculative
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -86,8 +87,8 @@ def speculative_counts(target, draft, prompt, k, trials, seed):
     for _ in range(trials):
         tokens = list(prompt)
         while len(tokens) < len(prompt) + 2:  # a rejection at the first proposal gives one token: step again
-            new, accepted = engine.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
-                                                    generator)
+            new, accepted = speculative.speculative_step(target, draft, tokens, target_cache, draft_cache, k,
+                                                         settings, V, generator)
             assert 1 <= len(new) <= k + 1 and accepted == len(new) - 1
             tokens += new
             steps += 1
@@ -150,8 +151,8 @@ def test_speculative_steps_leave_each_cache_holding_the_accepted_tokens(k, devic
         target_cache, _ = engine.prefill(target, torch.tensor([tokens], device=device), block_size)
         draft_cache, _ = engine.prefill(draft, torch.tensor([tokens], device=device), block_size)
         while len(tokens) + k <= block_size:
-            new, accepted = engine.speculative_step(target, draft, tokens, target_cache, draft_cache, k, settings, V,
-                                                    generator)
+            new, accepted = speculative.speculative_step(target, draft, tokens, target_cache, draft_cache, k,
+                                                         settings, V, generator)
             n_rejected, n_all_accepted = n_rejected + (accepted < k), n_all_accepted + (accepted == k)
             tokens += new
             assert target_cache.pos == len(tokens) - 1
@@ -170,6 +171,7 @@ def test_a_model_compiles_by_default_when_large_or_int8_on_a_cpu_and_on_cuda(mon
     COMPILE_BY_DEFAULT_BYTES or int8 ones; a small float model's eager step is faster from launch to exit. A CUDA model
     is made of FakeTensorMode's CUDA tensors (no GPU, no memory: torch's own fake, which a CPU-only build carries)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from gpt.quantize import quantize
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
     model = GPT(config)
@@ -267,4 +269,4 @@ def test_a_float16_cpu_decode_step_runs_sdpas_math_kernel_and_the_same_attention
     ([7, 7, 7], 3, []),  # too short to recur
 ])
 def test_lookup_proposes_what_followed_the_last_tokens_earlier(tokens, k, expected):
-    assert engine.lookup_proposal(tokens, k) == expected
+    assert speculative.lookup_proposal(tokens, k) == expected

@@ -11,10 +11,10 @@ import torch
 
 import attention
 import model as model_py
-from gpt.checkpoint import save_checkpoint
 from experiments import position, scaling
-from model import GPT, GPTConfig
+from gpt.checkpoint import save_checkpoint
 from gpt.tokenizer import char_meta
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from experiments import kv_cache, kv_heads
+from gpt.tokenizer import Tokenizer, char_meta
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401 (a fixture)
-from gpt.tokenizer import Tokenizer, char_meta
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

@@ -23,11 +23,12 @@ transformers = pytest.importorskip("transformers")  # in requirements-dev.txt; C
 
 import sample  # noqa: E402
 import train  # noqa: E402
-from gpt.checkpoint import CheckpointError, gpt_config, load_hf, load_model  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
-from export import ConvertError, export_hf, hf_config, tokenizer_json  # noqa: E402
-from model import GPT, GPTConfig, rope  # noqa: E402
+from gpt import UserError
+from gpt.checkpoint import load_model  # noqa: E402
+from gpt.hf import export_hf, gpt_config, hf_config, load_hf, tokenizer_json  # noqa: E402
 from gpt.tokenizer import Tokenizer, named_encoding  # noqa: E402
+from model import GPT, GPTConfig, rope  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -117,7 +118,7 @@ def model_py_refusal(model):
     try:
         with tempfile.TemporaryDirectory() as folder:
             export_hf(plain, None, os.path.join(folder, "hf"))
-    except ConvertError as e:
+    except UserError as e:
         return str(e)
     return None
 
@@ -132,7 +133,7 @@ def export_or_skip(model, meta, folder):
     """export_hf, as a step of a test about something else: a skip where export refuses model.py itself."""
     try:
         return export_hf(model, meta, folder)
-    except ConvertError:
+    except UserError:
         skip_if_model_py_does_not_export(model)
         raise
 
@@ -140,7 +141,7 @@ def export_or_skip(model, meta, folder):
 def assert_refused(model, folder, needle, monkeypatch):
     """Assert that export_hf refuses model with a message matching needle; a skip where it refuses for model.py
     itself, which then hides the refusal under test."""
-    with pytest.raises(ConvertError) as refused:
+    with pytest.raises(UserError) as refused:
         export_hf(model, char_meta(), folder)
     if not re.search(needle, str(refused.value)):
         monkeypatch.undo()  # the plain model is asked of model.py as it is, not as the test patched it
@@ -173,7 +174,7 @@ def test_exported_model_matches_in_transformers(kind, tmp_path):
     expected_class = "Qwen3ForCausalLM" if ours.config.qk_norm else "LlamaForCausalLM"
     try:
         export_hf(ours, char_meta(), str(tmp_path))
-    except ConvertError as e:  # the one failure for an edit export refuses; tests that need an export skip
+    except UserError as e:  # the one failure for an edit export refuses; tests that need an export skip
         pytest.fail(f"model.py no longer exports as a {expected_class}: {e}", pytrace=False)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == expected_class
@@ -246,7 +247,7 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf_config(model.config, eot_token=5257)))
     from safetensors.torch import save_file
 
-    from export import hf_state_dict
+    from gpt.hf import hf_state_dict
     save_file(hf_state_dict(model), str(tmp_path / "model.safetensors"))
     _, meta = load_hf(str(tmp_path))
     assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 5258 and meta["eot_token"] == 5257
@@ -261,7 +262,7 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
     for changed in ([dict(type="Digits", individual_digits=True), steps[1]], [steps[0], dict(steps[1], add_prefix_space=True)]):
         spec["pre_tokenizer"]["pretokenizers"] = changed  # what tiktoken cannot do is refused, not ignored
         (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
-        with pytest.raises(CheckpointError, match="only byte-level BPE"):
+        with pytest.raises(UserError, match="only byte-level BPE"):
             load_hf(str(tmp_path))
 
 
@@ -277,7 +278,7 @@ def test_other_byte_level_bpe_reads_through_tiktoken(tmp_path):
 ])
 def test_export_refuses_switches_without_an_equivalent(overrides, needle, tmp_path):
     model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, **overrides))
-    with pytest.raises(ConvertError, match=needle):
+    with pytest.raises(UserError, match=needle):
         export_hf(model, char_meta(), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing half-written
 
@@ -293,7 +294,7 @@ def test_export_refuses_switches_without_an_equivalent(overrides, needle, tmp_pa
 def test_import_refuses_llama_configs_without_an_equivalent(change, needle):
     hf = dict(hf_config(our_model("llama_like").config), **change)
     hf.pop("rope_parameters") if "rope_scaling" in change else None
-    with pytest.raises(CheckpointError, match=needle):
+    with pytest.raises(UserError, match=needle):
         gpt_config(hf)
 
 
@@ -303,7 +304,7 @@ def test_import_refuses_llama_configs_without_an_equivalent(change, needle):
     (dict(attention_bias=True), "attention_bias"),
 ])
 def test_import_refuses_qwen3_configs_without_an_equivalent(change, needle):
-    with pytest.raises(CheckpointError, match=needle):
+    with pytest.raises(UserError, match=needle):
         gpt_config(dict(hf_config(our_model("qwen3_like").config), **change))
 
 
@@ -313,18 +314,18 @@ def test_import_reads_safetensors_only_and_checks_them(tmp_path):
     weights = tmp_path / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+    with pytest.raises(UserError, match="truncated or corrupt"):
         load_hf(str(tmp_path))
     weights.unlink()
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(CheckpointError, match="never pickles"):
+    with pytest.raises(UserError, match="never pickles"):
         load_hf(str(tmp_path))
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(UserError, match="no config.json"):
         load_hf(str(tmp_path / "nowhere"))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
     weights.write_bytes(data)
-    with pytest.raises(CheckpointError, match="shape"):
+    with pytest.raises(UserError, match="shape"):
         load_hf(str(tmp_path))
 
 
@@ -413,7 +414,7 @@ def test_a_refused_export_leaves_an_earlier_export_in_the_folder_as_it_was(monke
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
     monkeypatch.setattr("model.rope", lambda x, positions: x)
     model = randomize_(our_model("llama_like"), seed=7)  # other weights too: any file replaced would show
-    with pytest.raises(ConvertError, match="other logits"):
+    with pytest.raises(UserError, match="other logits"):
         export_hf(model, None, str(folder))
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     assert os.listdir(tmp_path) == ["hf"]
@@ -429,10 +430,10 @@ def test_an_export_replaces_an_earlier_one_and_refuses_a_folder_holding_other_fi
     assert sorted(os.listdir(folder)) == ["config.json", "model.safetensors"]
     assert load_hf(str(folder))[1] is None and load_hf(str(folder))[0].config.qk_norm
     (folder / "generation_config.json").write_text("{}")
-    with pytest.raises(ConvertError, match="generation_config.json"):
+    with pytest.raises(UserError, match="generation_config.json"):
         export_hf(our_model("llama_like"), None, str(folder))
     assert sorted(os.listdir(tmp_path)) == ["hf"]
-    with pytest.raises(ConvertError, match="CPU float32"):
+    with pytest.raises(UserError, match="CPU float32"):
         export_hf(our_model("llama_like").to(torch.bfloat16), None, str(tmp_path / "bf16"))
 
 
@@ -490,9 +491,9 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path, device)
 
 def test_sample_errors_for_hf_folders(tmp_path, device):
     export_or_skip(our_model("llama_like"), None, str(tmp_path))
-    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+    with pytest.raises(UserError, match="no tokenizer.json"):
         run_sample(f"--init_from=hf:{tmp_path}", device=device)
-    with pytest.raises(sample.SampleError, match="init_from must be"):
+    with pytest.raises(UserError, match="init_from must be"):
         run_sample(f"--init_from={tmp_path}", device=device)
 
 
@@ -532,7 +533,7 @@ def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_pat
     assert not (tmp_path / "hf.tmp").exists()
     os.chdir(char_data)
     try:
-        with pytest.raises(train.TrainError, match="another tokenizer"):
+        with pytest.raises(UserError, match="another tokenizer"):
             train.main(argv + ["--overwrite"])  # over the run above
     finally:
         os.chdir(cwd)

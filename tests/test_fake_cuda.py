@@ -17,9 +17,10 @@ import attention
 import eval as eval_script
 import export
 import sample
-from gpt.checkpoint import CheckpointError, resolve_device, resolve_dtype
 from conftest import fake_cuda_site
-from test_train import TINY, in_dir, train_main, trained, workdir  # noqa: F401 (fixtures)
+from gpt import UserError
+from gpt.checkpoint import resolve_device, resolve_dtype
+from test_train import TINY, in_dir, train_main, trained, workdir  # noqa: F401(fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -85,14 +86,14 @@ def test_a_cuda_device_with_an_index_becomes_the_current_one(fake_cuda):
     assert resolve_device("cuda:1") == "cuda:1" and current == [1]
     assert resolve_device("cuda") == "cuda" and current == [1]  # torch.cuda.set_device("cuda") would raise
     assert resolve_device("auto") == "cuda"
-    with pytest.raises(CheckpointError, match=r"has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
+    with pytest.raises(UserError, match=r"has 2 CUDA GPU\(s\), cuda:0 to cuda:1"):
         resolve_device("cuda:2")
 
 
 def test_no_cuda_is_a_one_line_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(CheckpointError, match="sees no CUDA GPU; use --device=cpu"):
+    with pytest.raises(UserError, match="sees no CUDA GPU; use --device=cpu"):
         resolve_device("cuda")
 
 
@@ -176,7 +177,7 @@ def test_auto_precision_is_bfloat16_from_ampere_on_and_float16_before(fake_cuda,
     assert resolve_dtype("auto", "cuda") == expected and resolve_dtype("auto", "cuda:1") == expected
     assert resolve_dtype("float32", "cuda") == torch.float32 and resolve_dtype("float16", "cuda") == torch.float16
     if expected == torch.float16:
-        with pytest.raises(CheckpointError, match=rf"this GPU \({re.escape(card)}, compute capability 7\.\d\) only "
+        with pytest.raises(UserError, match=rf"this GPU \({re.escape(card)}, compute capability 7\.\d\) only "
                                                   r"emulates bfloat16; use --dtype=float16"):
             resolve_dtype("bfloat16", "cuda")
     else:

@@ -11,9 +11,10 @@ import json
 import pytest
 import torch
 
-from gpt.engine import continuation_logprobs, sequence_logprobs, token_logprobs
-from model import GPT, GPTConfig
+from gpt import UserError
+from gpt.scoring import continuation_logprobs, sequence_logprobs, token_logprobs
 from gpt.tokenizer import GPT2_META, Tokenizer
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -101,6 +102,7 @@ def test_scores_match_lm_evals_huggingface_backend(harness, model, tok, task_dir
     import lm_eval
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
+
     from test_export import export_or_skip  # here, not above: that module needs transformers
 
     assert len(tok.encode(LONG_Q)) > BLOCK and all(len(tok.encode(d["text"])) <= BLOCK for d in ROLL_DOCS)
@@ -201,18 +203,18 @@ def test_generate_until_is_greedy_decoding_cut_before_the_first_stop(harness, mo
 
 
 def test_unknown_task_names_the_closest_tasks(harness, model, tok, task_dir):
-    with pytest.raises(harness.HarnessError) as error:
+    with pytest.raises(UserError) as error:
         harness.run_tasks(model, tok, ["t_rol"], include_path=str(task_dir))
     assert "t_roll" in str(error.value) and "\n" not in str(error.value)
 
 
 def test_missing_include_path_is_named(harness, model, tok, tmp_path):
-    with pytest.raises(harness.HarnessError, match="no_such_folder"):
+    with pytest.raises(UserError, match="no_such_folder"):
         harness.run_tasks(model, tok, ["t_mc"], include_path=str(tmp_path / "no_such_folder"))
 
 
 def test_a_task_yaml_that_does_not_parse_is_named_in_one_line(harness, model, tok, tmp_path):
     (tmp_path / "broken.yaml").write_text("task: broken\ndataset_path: json\n  doc_to_text: [oops\n")
-    with pytest.raises(harness.HarnessError) as error:
+    with pytest.raises(UserError) as error:
         harness.run_tasks(model, tok, ["broken"], include_path=str(tmp_path))
     assert "broken.yaml" in str(error.value) and "\n" not in str(error.value)

@@ -29,10 +29,8 @@ from dataclasses import asdict, fields, replace
 import pytest
 import torch
 
-from gpt import checkpoint
-from gpt import engine
-import export
 import model as model_py  # the module: the live tests swap its can_attend
+from gpt import UserError, engine, hf, speculative
 from model import GPT, MLP_KINDS, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -427,7 +425,7 @@ def test_speculative_greedy_equals_plain_greedy(name, device):
     # one more token drawn), a noised copy is sometimes wrong (a rejected proposal replaced).
     for draft, all_accepted in ((model, True), (noised(model, seed=6), False)):
         spec = RecordingSamples(1, vocab)
-        accepted, proposed = engine.decode_speculative(model, draft, prompt, greedy_settings(n), spec,
+        accepted, proposed = speculative.decode_speculative(model, draft, prompt, greedy_settings(n), spec,
                                                        torch.Generator(device).manual_seed(0))
         assert spec.tokens[0] == expected
         assert (accepted == proposed) == all_accepted and proposed > 0
@@ -447,11 +445,11 @@ def test_export_round_trip_is_exact_or_refused(name, tmp_path):
     pytest.importorskip("transformers")  # export_hf then also compares logits with transformers
     model, folder = build(name, "cpu"), str(tmp_path / "hf")  # export.py exports a CPU float32 model only
     try:
-        export.export_hf(model, None, folder)
-    except export.ConvertError:
+        hf.export_hf(model, None, folder)
+    except UserError:
         assert os.listdir(tmp_path) == []  # no folder, no temp folder left behind
         return
-    loaded, meta = checkpoint.load_hf(folder)
+    loaded, meta = hf.load_hf(folder)
     assert meta is None
     assert asdict(loaded.config) == asdict(replace(model.config, dropout=0.0))  # dropout: a training switch
     ours, theirs = model.state_dict(), loaded.state_dict()

@@ -2,8 +2,9 @@
 candidate computes nn.Linear's product (int8 weights included); a candidate that fails or disagrees is never
 chosen; the fastest is chosen (timed by a fake clock here: a test cannot time a real machine reliably); a choice
 is remembered in kernels.json and trusted only on the machine, torch and thread count it was measured with; a
-cache folder that cannot be written costs one line, not the run; and decode_linears applies the choice only inside
-its block, only to decode-sized inputs, and a compiled-only kernel only while compiling."""
+cache folder that cannot be written costs one line, not the run; and decode_linears applies the choice by swapping
+each linear layer for a DecodeLinear that print(model) shows (nothing patched), only inside its block, only to
+decode-sized inputs, and a compiled-only kernel only while compiling."""
 
 import json
 import os
@@ -17,8 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import kernels
+from gpt.machine import cpu_flags
+from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, replace_linears
 from model import GPT, GPTConfig
-from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear
 
 
 @pytest.fixture(autouse=True)
@@ -46,12 +48,7 @@ ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
 
 def has_vnni():
     """Whether this CPU has int8 dot products (AVX-512 VNNI or AVX-VNNI), which oneDNN's int8 products need to be exact."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
+    return bool({"avx512_vnni", "avx_vnni"} & set(cpu_flags()))
 
 
 @pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY + INT8_ROWS])
@@ -136,7 +133,7 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
 
 
 def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(monkeypatch):
-    """decode_linear hands a W8A8Linear's kernel the int8 rows (each on its own grid) and scales the integer sums by
+    """DecodeLinear hands a W8A8Linear's kernel the int8 rows (each on its own grid) and scales the integer sums by
     the row's and the weight row's scales: the layer's own forward, within float rounding."""
     torch.manual_seed(0)
     layer = W8A8Linear(nn.Linear(32, 24))
@@ -149,8 +146,9 @@ def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(
     monkeypatch.setattr(kernels, "KERNELS", {"torch": kernels.torch_linear, "int-mm": integer_product})
     monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "int-mm")
     x = torch.randn(2, 1, 32) * torch.tensor([1e-3, 1e3])[:, None, None]  # rows far apart in size
-    with kernels.decode_linears(nn.Sequential(layer), rows=2):
-        actual = layer(x)
+    model = nn.Sequential(layer)
+    with kernels.decode_linears(model, rows=2):
+        actual = model(x)
     assert handed == [(torch.int8, torch.int8, None)]
     torch.testing.assert_close(actual, type(layer).forward(layer, x), atol=0, rtol=1e-6)
 
@@ -167,7 +165,7 @@ def test_an_int8_rows_kernel_compiled_after_the_rows_quantization_gives_the_eage
     if name not in kernels.usable_kernels(layer, rows, compiled=True):
         assert not has_vnni()
         return
-    step = lambda x: kernels.decode_linear(layer, {rows: name}, x)  # noqa: E731
+    step = kernels.DecodeLinear(layer, {rows: name})
     # inductor's cache of compiled graphs keys on the graph, not on an op's declared output: compiled afresh
     with torch.inference_mode(), torch._inductor.config.patch(fx_graph_cache=False):
         expected = step(x)
@@ -303,8 +301,32 @@ def test_decode_linears_apply_the_choice_inside_the_block_to_decode_sized_inputs
 def test_torchs_own_kernel_chosen_leaves_the_layers_as_they_are(monkeypatch):
     model = tiny_model()
     recording_kernels(monkeypatch, "torch")
+    before = list(model.modules())
     with kernels.decode_linears(model, rows=1):
+        assert list(model.modules()) == before and not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("layer", [lambda linear: linear, Int8WeightOnlyLinear, W8A8Linear], ids=["float", "int8", "w8a8"])
+def test_the_chosen_kernel_is_a_module_swap_that_print_shows(monkeypatch, layer):
+    """Inside the block each linear layer is a DecodeLinear naming its kernels in print(model), holding the layer's
+    own tensors under the same state_dict keys and running its hooks; no layer's forward is patched from outside (an
+    instance attribute `forward`), and after the block the model holds its own layers again."""
+    model, heads = replace_linears(tiny_model(), layer), []
+    calls = recording_kernels(monkeypatch, "onednn")
+    model.lm_head.register_forward_hook(lambda module, args, logits: heads.append(logits.shape))
+    before, state = list(model.modules()), model.state_dict()
+    with torch.no_grad(), kernels.decode_linears(model, rows=(5, 1)):
+        model(torch.randint(0, 64, (1, 1)))
+        assert len(calls) == 8 and heads == [(1, 1, 64)]  # the chosen kernel ran, and the head's hook with it
+        swapped = [m for m in model.modules() if isinstance(m, kernels.DecodeLinear)]
+        assert len(swapped) == 8 and not any(kernels.is_decode_linear(m) for m in model.modules())
+        shown = repr(model)
+        assert "DecodeLinear(in_features=16, out_features=16" in shown and "kernel onednn at 1 row, onednn at 5 rows)" in shown
+        inside = model.state_dict()
+        assert inside.keys() == state.keys() and all(inside[key].data_ptr() == state[key].data_ptr() for key in state)
         assert not any("forward" in vars(m) for m in model.modules())
+    assert list(model.modules()) == before and "DecodeLinear" not in repr(model)
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_a_compiled_only_kernel_runs_only_while_compiling(monkeypatch):
@@ -396,7 +418,7 @@ def test_int8pack_compiled_gives_torchs_int8_product():
     x = torch.randn(3, 1, 64, dtype=torch.bfloat16)
 
     def scaled_product(x):
-        return kernels.int8pack_linear(x, layer.weight, None) * layer.scales + layer.bias  # as decode_linear does
+        return kernels.int8pack_linear(x, layer.weight, None) * layer.scales + layer.bias  # as layer.through does
 
     with torch.inference_mode():
         actual = torch.compile(scaled_product, dynamic=False)(x)

@@ -1,16 +1,24 @@
 """machine.py: a run on a machine busy with other work takes only the cores left free and says so once, in one
-line; on a quiet machine it keeps torch's threads and says nothing. The load here is real: processes spinning on
-every core for at most 20 s."""
+line; on a quiet machine it keeps torch's threads and says nothing. So does every command that computes on the CPU
+(sample.py, eval.py, attention.py), its look at the machine overlapping its model's load. The load is set by the
+tests: counters they fake, or, in the two tests that say so, processes spinning on every core for at most 20 s."""
 
 import contextlib
 import os
 import subprocess
 import sys
+import time
+from dataclasses import asdict
 
 import pytest
 import torch
 
-from gpt.machine import SharedCpu, busy_cores, cpu_counters, threads_for
+import attention
+import eval as evaluate
+import sample
+from gpt import machine
+from gpt.machine import SharedCpu, busy_cores, cpu_counters, shared_cpu, threads_for
+from model import GPT, GPTConfig
 from test_train import TINY, TRAIN, workdir  # noqa: F401 (workdir is a fixture)
 
 SPIN = "import time\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"  # bounded, whatever happens
@@ -68,6 +76,26 @@ def test_the_run_follows_the_load_and_says_so_once(two_threads):
     assert cpu.check() is None and torch.get_num_threads() == 2
 
 
+def test_the_first_look_overlaps_what_the_process_does_meanwhile(two_threads):
+    """The look at the machine starts with SharedCpu and the first check() ends it, waiting only for what is left
+    of it: a command that loads its model meanwhile (here: sleeps as long as the look) starts no later for it."""
+    quiet = [(0, 0, 0), (2, 2, 0)]
+    cpu = SharedCpu(cores=2, counters=counters_from(quiet), look=0.2)
+    time.sleep(0.2)  # the model loading
+    start = time.monotonic()
+    assert cpu.check() is None and time.monotonic() - start < 0.05
+    cpu = SharedCpu(cores=2, counters=counters_from(quiet), look=0.2)
+    start = time.monotonic()
+    assert cpu.check() is None and time.monotonic() - start > 0.15  # nothing ran meanwhile: the look takes its time
+
+
+def test_a_command_shares_the_cpu_only_where_it_computes_on_it(two_threads):
+    assert shared_cpu("cuda:0") is None and shared_cpu("mps") is None
+    assert shared_cpu("cpu").choose == "set OMP_NUM_THREADS=N"  # a command without --threads
+    assert shared_cpu("cpu", threads=0).choose == "pass --threads=N"
+    assert shared_cpu("cuda", threads=2) is not None and torch.get_num_threads() == 2  # the threads it asks for
+
+
 def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
     busy = counters_from([(0, 0, 0), (2, 0, 0), (4, 0, 0)])
     cpu = SharedCpu(requested=1, cores=2, counters=busy)  # --threads=1
@@ -76,6 +104,65 @@ def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     cpu = SharedCpu(cores=2, counters=busy)
     assert cpu.check() is None and torch.get_num_threads() == 2
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every command that computes on the CPU shares it: in this process, the machine's counters faked
+
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A folder with a tiny random character model's ckpt.pt (what train.py writes, in the fields the commands read)
+    and a text to score."""
+    root = tmp_path_factory.mktemp("tiny_run")
+    chars = sorted(set(TEXT))
+    meta = {"tokenizer": "char", "vocab_size": len(chars), "eot_token": None, "chars": chars}
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    torch.save({"model": model.state_dict(), "model_config": asdict(model.config), "meta": meta}, root / "ckpt.pt")
+    (root / "text.txt").write_text(TEXT)
+    return root
+
+
+COMMANDS = {  # each command's main(), on the CPU, with the least work that still loads the model and runs it
+    "sample.py": lambda run: sample.main([f"--out_dir={run}", "--prompt=ROMEO:", "--max_new_tokens=4",
+                                          "--device=cpu", "--dtype=float32", "--compile=False"]),
+    "eval.py": lambda run: evaluate.main([f"--out_dir={run}", f"--text={run / 'text.txt'}", "--device=cpu",
+                                          "--dtype=float32"]),
+    "attention.py": lambda run: attention.main([f"--out_dir={run}", "--prompt=ROMEO:", "--device=cpu",
+                                                f"--out={run / 'attention.png'}"]),
+}
+
+
+def machine_is(monkeypatch, busy):
+    """The counters a command reads (its look's start and end): over 1 s other processes kept every core busy, or
+    none; the command's own time is taken out by busy_cores, so only others' shows."""
+    cores = os.cpu_count()
+    monkeypatch.setattr(machine, "cpu_counters", counters_from([(0.0, 0.0, 0.0), (cores, 0.0 if busy else cores, 0.0)]))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_command_takes_the_cores_left_free_and_says_so(two_threads, monkeypatch, capsys, tiny_run, command):
+    machine_is(monkeypatch, busy=True)
+    COMMANDS[command](tiny_run)
+    out, err = capsys.readouterr()
+    notes = [line for line in err.splitlines() if line.startswith("this machine is")]
+    assert torch.get_num_threads() == 1
+    assert len(notes) == 1 and "takes 1 thread (not 2)" in notes[0] and "set OMP_NUM_THREADS=N" in notes[0], err
+    assert "this machine" not in out  # stdout keeps the command's output (sample.py's: the text alone)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_on_a_quiet_machine_a_command_keeps_its_threads_and_says_nothing(two_threads, monkeypatch, capsys, tiny_run,
+                                                                        command):
+    machine_is(monkeypatch, busy=False)
+    COMMANDS[command](tiny_run)
+    out, err = capsys.readouterr()
+    assert torch.get_num_threads() == 2 and "this machine" not in out + err
 
 
 # The two tests below create load and assert only what that load makes true, whatever else the machine runs (a

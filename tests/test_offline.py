@@ -1,4 +1,4 @@
-"""Offline by default: GPT-2's BPE files ship in tokenizer_files/gpt2/, are the very files tiktoken downloads for
+"""Offline by default: GPT-2's BPE files ship in gpt/tokenizer_files/gpt2/, are the very files tiktoken downloads for
 its "gpt2" encoding, and give the same tokens with no network and no tiktoken cache, without trying the network
 (a download that cannot get through may hang: requests sets no timeout)."""
 
@@ -18,7 +18,7 @@ from tiktoken_ext import openai_public
 from gpt.tokenizer import GPT2_META, Tokenizer, named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2_FILES = os.path.join(ROOT, "tokenizer_files", "gpt2")
+GPT2_FILES = os.path.join(ROOT, "gpt", "tokenizer_files", "gpt2")
 # tiktoken caches of the official files to compare with, where this machine has one (never downloaded here)
 OFFICIAL_CACHES = [os.environ.get("TIKTOKEN_CACHE_DIR"), os.path.join(ROOT, "..", "shared", "tiktoken_cache")]
 SAMPLE = ("Hello world! It's 2024: we'll see, they're here, I'd've... 3.14159 x 1e-9 <|endoftext|>\n\n"

@@ -22,7 +22,7 @@ import torch.fx.experimental._config as fx_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gpt import engine
+from gpt import engine, scoring, speculative
 from gpt.shards import ShardLoader, write_shard
 from model import GPT, GPTConfig, greedy, sample_next_token, sampling_probs
 
@@ -199,7 +199,7 @@ def test_speculative_on_meta(value):
     target, draft = tiny_gpt(n_kv_head=2), tiny_gpt(n_layer=1, n_head=2, n_kv_head=1)
     record = Record([14, 14])
     with OnMeta(value):
-        accepted, proposed = engine.decode_speculative(target, draft, [1, 2, 3, 4, 5, 6], settings(num_samples=2),
+        accepted, proposed = speculative.decode_speculative(target, draft, [1, 2, 3, 4, 5, 6], settings(num_samples=2),
                                                        record, None)
     assert record.tokens == [[value] * 14] * 2 and proposed > 0 and accepted == (proposed if value == 0 else 0)
 
@@ -209,8 +209,8 @@ def test_scoring_on_meta():
     sequence_logprobs (a padded batch, one sequence longer than block_size + 1); and their shared scores."""
     model = tiny_gpt(n_kv_head=2)
     with OnMeta(), fx_config.patch(meta_nonzero_assume_all_nonzero=True):  # meta x[mask]: all of x
-        logprobs, top1 = engine.token_predictions(model, [i % 16 for i in range(40)], stride=8, batch_size=2)
-        continuations = engine.continuation_logprobs(model, [1, 2, 3, 4], [[5], [6, 7, 8], [9, 10]])
-        sequences = engine.sequence_logprobs(model, [([1, 2, 3], [4, 5]), (list(range(16)), [1, 2, 3])])
+        logprobs, top1 = scoring.token_predictions(model, [i % 16 for i in range(40)], stride=8, batch_size=2)
+        continuations = scoring.continuation_logprobs(model, [1, 2, 3, 4], [[5], [6, 7, 8], [9, 10]])
+        sequences = scoring.sequence_logprobs(model, [([1, 2, 3], [4, 5]), (list(range(16)), [1, 2, 3])])
     assert logprobs.shape == top1.shape == (39,) and logprobs.device == top1.device == torch.device("cpu")
     assert len(continuations) == 3 and len(sequences) == 2

@@ -10,6 +10,7 @@ import pytest
 
 matplotlib = pytest.importorskip("matplotlib", reason="plot.py draws with matplotlib")
 import plot  # noqa: E402 (imports matplotlib.pyplot, which loads matplotlib.colors and matplotlib.image)
+from gpt import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"  # from the PNG specification, not from our code
@@ -98,7 +99,7 @@ def test_bad_metrics_are_a_one_line_error(tmp_path, damage, expected):
     write_run(tmp_path / "good")
     write_run(tmp_path / "bad")
     damage(tmp_path / "bad" / "metrics.jsonl")
-    with pytest.raises(plot.PlotError) as error:  # main() of `python plot.py` prints it as "error: <message>"
+    with pytest.raises(UserError) as error:  # main() of `python plot.py` prints it as "error: <message>"
         plot.main([str(tmp_path / "good"), str(tmp_path / "bad"), "--out", str(tmp_path / "x.png")])
     message = str(error.value)
     assert "\n" not in message

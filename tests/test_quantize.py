@@ -27,15 +27,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gpt import engine
 import eval as evaluate
-from gpt import kernels
 import sample
-from model import GPT, GPTConfig
+from gpt import engine, kernels, speculative
 from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, quantize, quantize_rows, replace_linears
-from test_engine import ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold, first_two_token_probs, \
-    spec_models, speculative_counts
 from gpt.tokenizer import Tokenizer, char_meta
+from model import GPT, GPTConfig
+from test_engine import (ALPHA, SPEC_PROMPT, V, chi_square, chi_square_threshold, first_two_token_probs, spec_models,
+                         speculative_counts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 # On the CPU whatever TEST_DEVICE: the runs below measure the CPU's int8 (Int8WeightOnlyLinear and kernels.py's
@@ -245,7 +244,7 @@ def force_kernel(monkeypatch, eager, compiled="reduction"):
                          [("decode_batch", n, kernel) for n in (1, 8) for kernel in EAGER_KERNELS])
 def test_int8_kv_cache_decoding_runs_and_gives_logits_close_to_fp32(trained, monkeypatch, path, n, kernel):
     """decode_batch with each eager kernel decode_linears may choose on a CPU (forced: which is fastest depends on
-    the machine), at batch 1 and 8: each is handed the int8 weight and decode_linear scales its rows afterwards
+    the machine), at batch 1 and 8: each is handed the int8 weight and the layer scales its rows afterwards
     ("torch" leaves the layers' own forward)."""
     model, tokenizer = trained["model"], trained["tokenizer"]
     quantized, steps, prompt = int8(model), [], tokenizer.encode(PROMPT)
@@ -312,17 +311,17 @@ def greedy(capsys, trained, *extra):
     return capsys.readouterr()
 
 
-def record_models(monkeypatch, name):
-    """(head type, dtype) of the models sample.main hands to `name` (decode_batch or decode_speculative), and
-    settings["compile"], per call."""
-    calls, decode = [], getattr(sample, name)
+def record_models(monkeypatch, name, module=sample):
+    """(head type, dtype) of the models sample.main hands to `name` (decode_batch, or speculative.py's
+    decode_speculative, which sample.py imports where it calls it), and settings["compile"], per call."""
+    calls, decode = [], getattr(module, name)
 
     def recording(*args):
         settings = next(arg for arg in args if isinstance(arg, dict))
         calls.append(([(type(m.lm_head), m.embed_tokens.weight.dtype) for m in args if isinstance(m, GPT)],
                       settings["compile"]))
         return decode(*args)
-    monkeypatch.setattr(sample, name, recording)
+    monkeypatch.setattr(module, name, recording)
     return calls
 
 
@@ -339,7 +338,7 @@ def test_greedy_text_in_each_mode_is_the_same_run_to_run(trained, capsys, monkey
 
 
 def test_quantize_int8_applies_to_the_draft_too(trained, capsys, monkeypatch):
-    decoded = record_models(monkeypatch, "decode_speculative")
+    decoded = record_models(monkeypatch, "decode_speculative", speculative)
     greedy(capsys, trained, "--quantize=int8", f"--draft={trained['draft']}", "--max_new_tokens=5")
     assert [models for models, _ in decoded] == [[(Int8WeightOnlyLinear, torch.float32)] * 2]  # the target, the draft
 
@@ -352,7 +351,7 @@ def test_speculative_greedy_with_an_int8_draft_is_the_fp32_targets_greedy_text(t
         model, meta = load_model(source, *args)
         return (int8(model) if source == trained["draft"] else model), meta
     monkeypatch.setattr(sample, "load_model", load_int8_draft)
-    decoded = record_models(monkeypatch, "decode_speculative")
+    decoded = record_models(monkeypatch, "decode_speculative", speculative)
     for draft_k in (1, 3, 7):
         spec = greedy(capsys, trained, f"--draft={trained['draft']}", f"--draft_k={draft_k}")
         assert spec.out == plain
@@ -549,10 +548,10 @@ def test_w8a8_off_the_cpu_is_refused_before_the_model_loads(fake_cuda, script, t
     """w8a8's int8 products have kernels on a CPU only: on a GPU its layers would multiply a float32 copy of every
     weight each step, slower than plain float32, so sample.py and eval.py say so instead (CUDA faked at torch's C
     boundary; no checkpoint needed: the refusal comes first). int8 gets past the check to the missing checkpoint."""
-    from gpt.quantize import QuantizeError
+    from gpt import UserError
     fake_cuda()
     for device in ("cuda", "mps"):
-        with pytest.raises(QuantizeError, match=rf"^--quantize=w8a8 is a CPU mode \(on {device} it would multiply a "
+        with pytest.raises(UserError, match=rf"^--quantize=w8a8 is a CPU mode \(on {device} it would multiply a "
                                                 r"float32 copy of every weight each step\); use --quantize=int8 there$"):
             script.main([f"--out_dir={tmp_path}", f"--device={device}", "--quantize=w8a8"])
     with pytest.raises(Exception, match="no checkpoint at"):

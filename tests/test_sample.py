@@ -22,12 +22,11 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from gpt import engine
 import sample
-from configurator import ConfigError
 from data.shakespeare_char import prepare as prepare_char
-from model import GPT, GPTConfig
+from gpt import UserError
 from gpt.tokenizer import named_encoding
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -260,6 +259,20 @@ def test_compiled_greedy_with_inductor_in_a_separate_process(processes, ckpts, c
     assert result.stdout == greedy(capsys, ckpts, PROMPT, 2 * BLOCK + 5).out
 
 
+def test_on_a_cpu_the_kernels_chosen_are_said_in_one_line_before_the_speed(ckpts, capsys, monkeypatch, device):
+    """The matrix kernel of each decode step is chosen for the CPU (kernels.py): stderr names it, and the file that
+    keeps the choice, in one line; off a CPU nothing is chosen and nothing is said."""
+    from gpt import kernels
+    monkeypatch.setattr(kernels, "choices", {})  # this run's choices only, not those of earlier runs in this process
+    err = greedy(capsys, ckpts, PROMPT, 10).err.strip().splitlines()
+    notes = [line for line in err if "decode kernels" in line]
+    assert SPEED.match(err[-1]) and len(notes) == (device == "cpu"), err
+    if device == "cpu":
+        assert err[-2] == notes[0] and notes[0].startswith("note: decode kernels chosen for this CPU: "), err
+        assert kernels.choices and all(name in notes[0] for name in kernels.choices.values())
+        assert notes[0].endswith(f"(kept in {os.path.join(kernels.cache_dir(), 'kernels.json')})")
+
+
 def test_top_k_1_a_tiny_top_p_and_a_tiny_temperature_are_greedy(ckpts, capsys):
     n = 30
     expected = greedy(capsys, ckpts, PROMPT, n).out
@@ -465,9 +478,9 @@ def test_a_missing_draft_names_the_draft_config_for_the_model_s_dataset_and_it_w
 
 
 def test_errors_come_before_any_output(ckpts, capsys):
-    with pytest.raises(ConfigError):
+    with pytest.raises(UserError):
         sample.main([f"--out_dir={ckpts['target']}", "--max_new_tokens=ten"])
-    with pytest.raises(sample.SampleError):
+    with pytest.raises(UserError):
         sample.main([f"--out_dir={ckpts['target']}", f"--draft={ckpts['other_vocab']}"])
     assert capsys.readouterr().out == ""
 

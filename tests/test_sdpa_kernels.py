@@ -1,4 +1,4 @@
-"""Grouped-query attention never falls back to SDPA's math kernel on CUDA (issue 27, point 5), and the CPU is untouched.
+"""Grouped-query attention never falls back to SDPA's math kernel on CUDA, and the CPU is untouched.
 
 F.scaled_dot_product_attention(..., enable_gqa=True) with fewer kv heads than query heads runs fused only where a
 fused kernel accepts GQA; elsewhere torch runs its math kernel, which holds all (B, nh, T, S) scores. model.attention
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 import model as model_py  # the module: tests swap its attention
 from gpt import sdpa  # the module: tests swap its sdpa_fuses_gqa
-from model import GPT, GPTConfig, attention
 from gpt.sdpa import sdpa_fuses_gqa
+from model import GPT, GPTConfig, attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -152,7 +152,7 @@ def test_model_loss_and_gradients_equal_with_repeated_kv(monkeypatch):
 
 
 def attention_before(q, k, v, positions, config, dropout_p=0.0):
-    """model.attention before issue 27's fix, word for word: the CPU's calls to keep."""
+    """model.attention before grouped-query attention went to fused kernels, word for word: the CPU's calls to keep."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
     if config.window == 0 and T == S:

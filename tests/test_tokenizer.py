@@ -1,7 +1,7 @@
 """Tests for tokenizer.py: streaming BPE decoding never prints half a character. (Offline use: test_offline.py.)"""
 
-from test_sample import TEXT
 from gpt.tokenizer import Tokenizer, named_encoding
+from test_sample import TEXT
 
 
 def test_bpe_streaming_decode_never_prints_a_broken_character():

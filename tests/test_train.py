@@ -25,10 +25,10 @@ import torch
 
 import model as model_module
 import train
-from gpt.checkpoint import CheckpointError
 from conftest import DEVICE
-from gpt.shards import ShardLoader
 from data.shakespeare_char import prepare as prepare_char
+from gpt import UserError, mfu, progress
+from gpt.shards import ShardLoader
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -148,7 +148,7 @@ def test_missing_dataset_lists_the_datasets_and_commands_that_work(error_runs, w
 
 
 def test_resume_without_a_checkpoint_says_to_train_first(workdir, tmp_path):
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=2")
     message = str(e.value)
     assert "\n" not in message and os.path.join(str(tmp_path), "ckpt.pt") in message
@@ -162,7 +162,7 @@ def test_truncated_checkpoint_is_a_one_line_error_naming_the_file(workdir, train
         data = f.read()
     with open(path, "wb") as f:
         f.write(data[:int(len(data) * keep)])
-    with pytest.raises(CheckpointError) as e:
+    with pytest.raises(UserError) as e:
         train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=40")
     message = str(e.value)
     assert "\n" not in message and path in message and "truncated or corrupt" in message
@@ -396,7 +396,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_path, mo
     # checkpoints at the evaluations of iterations 2 and 4; the step of iteration 5 makes the loss NaN, which the
     # log at iteration 6 (log_interval 1) or the evaluation at iteration 6 (log_interval 100) finds
     state = poison_loss_after(monkeypatch, 5, ckpt_path)
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(UserError) as e:
         train_main(workdir, out_dir, "--max_iters=20", "--eval_interval=2", f"--log_interval={log_interval}")
     message = str(e.value)
     assert "\n" not in message
@@ -411,7 +411,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir, tmp_path, mo
 def test_nan_loss_before_any_checkpoint_says_none_was_saved(workdir, tmp_path, monkeypatch):
     out_dir = str(tmp_path)
     poison_loss_after(monkeypatch, 0, os.path.join(out_dir, "ckpt.pt"))
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(UserError) as e:
         train_main(workdir, out_dir, "--max_iters=20", "--eval_interval=1000")
     message = str(e.value)
     assert "loss is nan at iter 1" in message and "no checkpoint was saved" in message, message
@@ -434,7 +434,7 @@ def test_a_run_from_scratch_over_a_run_is_refused_and_overwrite_replaces_it(work
     train_main(workdir, out_dir, "--max_iters=3", "--eval_interval=2")
     ckpt, log = file_bytes(os.path.join(out_dir, "ckpt.pt")), file_bytes(os.path.join(out_dir, "metrics.jsonl"))
     for init_from in ("scratch", "hf:folder"):  # hf: is checked before the folder is read: nothing is loaded
-        with pytest.raises(train.TrainError) as e:
+        with pytest.raises(UserError) as e:
             train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2", f"--init_from={init_from}")
         message = str(e.value)
         assert "\n" not in message and os.path.join(out_dir, "ckpt.pt") in message, message
@@ -501,7 +501,7 @@ def test_a_torn_last_log_line_is_dropped_on_resume_and_a_torn_middle_line_is_an_
     torn[3] = torn[3][:20] + "\n"  # a torn line with complete lines after it: not a crash's trace
     with open(log_path, "w") as f:
         f.writelines(torn)
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(UserError) as e:
         train_main(workdir, out_dir, "--max_iters=8", "--eval_interval=2", "--init_from=resume")
     message = str(e.value)
     assert "\n" not in message and f"{log_path}, line 4: not valid JSON" in message, message
@@ -616,7 +616,7 @@ def test_offline_wandb_run_writes_its_files(workdir, tmp_path, monkeypatch):
 
 def test_wandb_log_without_wandb_installed_is_a_one_line_error(workdir, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
-    with pytest.raises(train.TrainError, match="pip install wandb"):
+    with pytest.raises(UserError, match="pip install wandb"):
         train_main(workdir, str(tmp_path), "--max_iters=2", "--wandb_log=True")
     assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
 
@@ -678,7 +678,7 @@ def group_names(group, names):
 
 def test_make_optimizers_adamw_decays_matrices_only():
     model, settings, names, no_decay = optimizer_setup("adamw")
-    (adamw,) = train.make_optimizers(model, settings, "cpu")
+    (adamw,) = train.make_optimizers(model, settings["optimizer"], settings["weight_decay"], (0.9, 0.95), "cpu")
     assert isinstance(adamw, torch.optim.AdamW)
     decay = [g for g in adamw.param_groups if g["weight_decay"] == 0.1]
     zero = [g for g in adamw.param_groups if g["weight_decay"] == 0.0]
@@ -694,7 +694,7 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     each parameter in exactly one group; Muon the matrices inside the blocks, AdamW the other matrices with decay
     and the norms and biases without."""
     model, settings, names, no_decay = optimizer_setup("muon")
-    adamw, muon = train.make_optimizers(model, settings, "cpu")
+    adamw, muon = train.make_optimizers(model, settings["optimizer"], settings["weight_decay"], (0.9, 0.95), "cpu")
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
     groups = [*adamw.param_groups, *muon.param_groups]
     assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(names.values())  # each exactly once
@@ -705,8 +705,8 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert adamw_groups == {0.1: matrices - in_blocks, 0.0: no_decay}
     assert {"layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= matrices & in_blocks
     assert {"embed_tokens.weight", "lm_head.weight"} <= adamw_groups[0.1]
-    with pytest.raises(train.TrainError, match="optimizer"):
-        train.make_optimizers(model, dict(settings, optimizer="sgd"), "cpu")
+    with pytest.raises(UserError, match="optimizer"):
+        train.make_optimizers(model, "sgd", 0.1, (0.9, 0.95), "cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -728,7 +728,7 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     ("NVIDIA B200", torch.bfloat16, None),  # not in the table: no MFU, and train.py says to pass --peak_flops
 ])
 def test_each_gpu_name_gets_its_own_peak(name, dtype, peak):
-    assert train.peak_flops(name, dtype) == peak
+    assert mfu.peak_flops(name, dtype) == peak
 
 
 @pytest.mark.parametrize("n_kv_head", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -743,8 +743,8 @@ def test_flops_per_token_matches_counted_flops(n_kv_head):
     with counter, sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are visible to the counter
         _, loss = model(idx, idx)
         loss.backward()
-    assert train.flops_per_token(model, 32) * idx.numel() == counter.get_total_flops()
-    assert train.mfu(model, 1000.0, train.flops_per_token(model, 32) * 4000.0, 32) == pytest.approx(0.25)
+    assert mfu.flops_per_token(model, 32) * idx.numel() == counter.get_total_flops()
+    assert mfu.mfu(model, 1000.0, mfu.flops_per_token(model, 32) * 4000.0, 32) == pytest.approx(0.25)
 
 
 def test_a_run_with_a_chunked_loss_trains_as_the_plain_one(workdir, tmp_path):
@@ -787,7 +787,7 @@ def test_the_124m_global_batch_holds_on_every_process_count_that_divides_it():
                                                    (1, dict(total_batch_size=1000)), (3, dict(batch_size=24))])
 def test_a_global_batch_that_does_not_split_names_what_to_pass_and_that_works(world_size, overrides):
     settings = gpt2_124m_settings(**overrides)
-    with pytest.raises(train.TrainError) as e:
+    with pytest.raises(UserError) as e:
         train.micro_steps_per_process(settings, world_size)
     message = str(e.value)
     assert "\n" not in message
@@ -800,7 +800,7 @@ def test_a_global_batch_that_does_not_split_names_what_to_pass_and_that_works(wo
 
 
 def test_total_batch_size_and_accumulation_steps_together_are_refused():
-    with pytest.raises(train.TrainError, match="pass one of them"):
+    with pytest.raises(UserError, match="pass one of them"):
         train.micro_steps_per_process(gpt2_124m_settings(gradient_accumulation_steps=2), 1)
 
 
@@ -856,9 +856,9 @@ def test_timings_wait_for_the_gpu_on_a_mac_too(monkeypatch):
     on MPS as on CUDA. torch.mps.synchronize's C function is faked here, counting its calls."""
     calls = []
     monkeypatch.setattr(torch._C, "_mps_deviceSynchronize", lambda: calls.append("mps"), raising=False)
-    train.synced_time("mps")
+    progress.synced_time("mps")
     assert calls == ["mps"]
-    train.synced_time("cpu")
+    progress.synced_time("cpu")
     assert calls == ["mps"]
 
 

@@ -27,8 +27,9 @@ from datasets import load_dataset
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from gpt.shards import DataError, dataset_file, write_meta, write_shard
-from gpt.tokenizer import GPT2_META, Tokenizer, TokenizerError
+from gpt import UserError
+from gpt.shards import dataset_file, write_meta, write_shard
+from gpt.tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".txt": "text"}  # extension -> datasets builder
@@ -54,10 +55,10 @@ def local_files(patterns):
     """The files matching the patterns, in a fixed order (so a rerun reads documents in the same order)."""
     files = [f for pattern in patterns for f in sorted(glob.glob(pattern))]
     if not files:
-        raise DataError(f"--data_files {' '.join(patterns)}: no such files")
+        raise UserError(f"--data_files {' '.join(patterns)}: no such files")
     kinds = {os.path.splitext(f)[1] for f in files}
     if len(kinds) != 1 or not kinds <= BUILDERS.keys():
-        raise DataError(f"--data_files must all be of one kind, .parquet, .json/.jsonl or .txt (got {', '.join(sorted(kinds))})")
+        raise UserError(f"--data_files must all be of one kind, .parquet, .json/.jsonl or .txt (got {', '.join(sorted(kinds))})")
     return files
 
 
@@ -71,7 +72,7 @@ def open_corpus(args, files):
         return load_dataset(args.dataset, name=args.name, split="train", streaming=True)
     except Exception as e:  # offline, unknown name, ...: datasets raises many kinds
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DataError(f"could not open {args.dataset} ({args.name}) on the Hugging Face hub: {reason}; "
+        raise UserError(f"could not open {args.dataset} ({args.name}) on the Hugging Face hub: {reason}; "
                         "check the name and your connection, or pass --data_files with local files") from None
 
 
@@ -79,7 +80,7 @@ def text_batches(records, field, skip):
     """Lists of DOCS_PER_TASK document texts, after the first `skip` documents (read again, not tokenized).
     Reading in batches of the text column alone is ~10x faster than row by row."""
     if records.column_names is not None and field not in records.column_names:
-        raise DataError(f"the documents have no '{field}' column (they have {', '.join(records.column_names)}); pass --text_field")
+        raise UserError(f"the documents have no '{field}' column (they have {', '.join(records.column_names)}); pass --text_field")
     for batch in records.skip(skip).select_columns([field]).iter(batch_size=DOCS_PER_TASK):
         yield batch[field]
 
@@ -119,7 +120,7 @@ def load_progress(out_dir, settings):
     with open(path) as f:
         progress = json.load(f)
     if progress["settings"] != settings:
-        raise DataError(f"{path}: an earlier run used other settings ({progress['settings']}); "
+        raise UserError(f"{path}: an earlier run used other settings ({progress['settings']}); "
                         "rerun with those, or use another --out_dir")
     return progress
 
@@ -183,5 +184,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, TokenizerError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -13,8 +13,9 @@ import urllib.request
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
-from gpt.shards import DataError, dataset_file, write_meta, write_shard
-from gpt.tokenizer import GPT2_META, Tokenizer, TokenizerError
+from gpt import UserError
+from gpt.shards import dataset_file, write_meta, write_shard
+from gpt.tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "input.txt")
@@ -26,7 +27,7 @@ def read_text(path=None):
     """The text at `path` if given, else the repo's copy, else downloaded (and saved as the repo's copy)."""
     if path is not None:
         if not os.path.isfile(path):
-            raise DataError(f"--input {path}: no such file")
+            raise UserError(f"--input {path}: no such file")
         with open(path, encoding="utf-8") as f:
             return f.read()
     if not os.path.isfile(TEXT):
@@ -35,7 +36,7 @@ def read_text(path=None):
             with urllib.request.urlopen(URL, timeout=30) as response:
                 data = response.read()
         except OSError as e:  # no network, DNS failure, HTTP error: all OSErrors
-            raise DataError(f"could not download Tiny Shakespeare ({e}); pass --input PATH to a local copy") from None
+            raise UserError(f"could not download Tiny Shakespeare ({e}); pass --input PATH to a local copy") from None
         with dataset_file(TEXT) as f:
             f.write(data)
     return read_text(TEXT)
@@ -68,5 +69,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, TokenizerError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

@@ -11,8 +11,8 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from data.shakespeare.prepare import read_text, write_splits
-from gpt.shards import DataError
-from gpt.tokenizer import Tokenizer, TokenizerError, char_meta
+from gpt import UserError
+from gpt.tokenizer import Tokenizer, char_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LOCAL_TEXT = os.path.join(HERE, "input.txt")
@@ -31,5 +31,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, TokenizerError) as e:
+    except UserError as e:
         sys.exit(f"error: {e}")

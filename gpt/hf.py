@@ -1,0 +1,325 @@
+"""
+Hugging Face Llama/Qwen3 folders (config.json, model.safetensors, tokenizer.json), both ways. Our model with
+bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=True), and its parameter
+names are the Hugging Face ones without the "model." prefix, so a conversion is renaming plus a config.json; nothing
+converts approximately. A setting with no counterpart is refused with the reason; an export is then checked against
+the architecture itself (the tensor names and shapes it has and, where transformers is installed, its logits on
+one batch), so an edited model.py that no longer computes a Llama leaves no folder behind.
+"""
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from gpt import UserError
+from gpt.checkpoint import tensor_mismatch
+from gpt.files import write_json
+from gpt.tokenizer import byte_to_unicode, named_encoding, tokenizer_json_meta
+from model import GPT, GPTConfig
+
+# ----------------------------------------------------------------------------------------------------
+# Reading: config.json -> GPTConfig, model.safetensors -> weights, tokenizer.json -> meta
+
+
+def gpt_config(hf):
+    """The GPTConfig of a Llama or Qwen3 config.json dict; UserError when it has no exact equivalent."""
+    model_type = hf.get("model_type")
+    if model_type not in ("llama", "qwen3"):
+        raise UserError(f"model_type {model_type!r} is not supported; only llama and qwen3 models convert exactly")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UserError(f"hidden_act={hf['hidden_act']!r}: only silu (swiglu) MLPs convert")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise UserError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported; only plain RoPE converts")
+    if hf.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError("partial_rotary_factor != 1 is not supported; RoPE here turns the whole head")
+    attention_bias = bool(hf.get("attention_bias", False))
+    if model_type == "llama" and attention_bias != bool(hf.get("mlp_bias", False)):
+        raise UserError("attention_bias and mlp_bias differ; bias here is one switch for every linear layer")
+    if model_type == "qwen3" and attention_bias:
+        raise UserError("a Qwen3 with attention_bias=True has biases in attention only; bias here is all or none")
+    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+        raise UserError("sliding-window attention is not supported on import; these layers would see the whole context")
+    n_head = hf.get("num_attention_heads")
+    try:
+        config = GPTConfig(
+            vocab_size=hf["vocab_size"], block_size=hf.get("max_position_embeddings", 2048),
+            n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+            n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=hf["hidden_size"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head, bias=attention_bias, mlp="swiglu",
+            mlp_hidden=hf["intermediate_size"], qk_norm=model_type == "qwen3",
+            rope_base=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False))
+    except KeyError as e:
+        raise UserError(f"config.json has no {e.args[0]}") from None
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if config.mlp_hidden == replace(config, mlp_hidden=0).mlp_width:
+        config.mlp_hidden = 0  # the default width, written as our configs write it, so a round trip is exact
+    return config
+
+
+def load_hf(folder):
+    """The GPT (fp32, on the CPU) of a local Llama or Qwen3 folder, and its tokenizer's meta dict (None
+    when the folder has no tokenizer.json). UserError says what is missing or does not map."""
+    config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise UserError(f"no config.json in {folder}; expected a Hugging Face model folder")
+    try:
+        from safetensors import SafetensorError  # only this path needs safetensors
+        from safetensors.torch import load_file
+    except ImportError:
+        raise UserError("reading a Hugging Face folder needs safetensors: pip install safetensors") from None
+    with open(config_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    config = gpt_config(hf)
+    weights = os.path.join(folder, "model.safetensors")
+    if not os.path.isfile(weights):
+        found = sorted(f for f in os.listdir(folder) if f.endswith((".safetensors", ".bin", ".pt", ".pth")))
+        raise UserError(f"no model.safetensors in {folder} (found: {', '.join(found) or 'no weights'}); "
+                              "only a single safetensors file is read, never pickles")
+    try:
+        state = load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"cannot read {weights} ({e}); it is truncated or corrupt") from None
+    state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
+    if config.tie_embeddings and "embed_tokens.weight" in state:  # else named missing below
+        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
+    model = GPT(config)
+    mismatch = tensor_mismatch(model.state_dict(), state)
+    if mismatch:  # weights and config.json disagree, or model.py was changed: the names say which
+        raise UserError(f"{weights} does not fit the model this model.py builds from its config.json: {mismatch}")
+    model.load_state_dict(state)
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    tokenizer_path = os.path.join(folder, "tokenizer.json")
+    meta = tokenizer_json_meta(tokenizer_path, eos) if os.path.exists(tokenizer_path) else None
+    return model, meta
+
+
+def load_pretrained(folder, meta):
+    """The model of a Hugging Face folder to fine-tune (train.py's init_from="hf:folder"); its tokenizer must be the
+    data's (meta)."""
+    model, model_meta = load_hf(folder)
+    if model_meta is not None and model_meta != meta:
+        raise UserError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, "
+                        f"{model_meta['vocab_size']} tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} "
+                        "tokens); prepare the data with the model's tokenizer")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Writing: config.json, and the tensors a model of that config has
+
+
+def hf_config(config, eot_token=None):
+    """The config.json dict of the Hugging Face architecture that computes exactly what GPT(config) does."""
+    if config.mlp != "swiglu":
+        raise UserError(f"mlp={config.mlp!r} has no Llama/Qwen3 equivalent (they use swiglu); only swiglu models export")
+    if config.qk_norm and config.bias:
+        raise UserError("qk_norm=True with bias=True has no equivalent: Qwen3 (qk_norm) has no MLP biases")
+    if config.window:
+        raise UserError(f"window={config.window} (sliding-window attention) has no Llama/Qwen3 equivalent; "
+                           "only window=0 models export")
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.mlp_width,
+        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
+        head_dim=config.head_dim, hidden_act="silu", max_position_embeddings=config.block_size,
+        rms_norm_eps=config.norm_eps, tie_word_embeddings=config.tie_embeddings, attention_bias=config.bias,
+        # rope_theta for readers of the older layout (vLLM, llama.cpp's converter), rope_parameters for newer ones
+        rope_theta=config.rope_base, rope_parameters=dict(rope_type="default", rope_theta=config.rope_base),
+        attention_dropout=0.0, initializer_range=0.02, bos_token_id=eot_token, eos_token_id=eot_token,
+        torch_dtype="float32", use_cache=True,
+    )
+    if config.qk_norm:
+        return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=False,
+                    sliding_window=None, **common)
+    return dict(architectures=["LlamaForCausalLM"], model_type="llama", mlp_bias=config.bias, **common)
+
+
+def hf_tensor_shapes(hf):
+    """Every tensor name and shape that a Llama or Qwen3 with config.json dict hf stores, written from the
+    architecture's definition (not from our model), so that a model.py edit cannot slip through."""
+    C, I, V, hd = hf["hidden_size"], hf["intermediate_size"], hf["vocab_size"], hf["head_dim"]
+    q_width, kv_width = hf["num_attention_heads"] * hd, hf["num_key_value_heads"] * hd
+    shapes = {"model.embed_tokens.weight": (V, C), "model.norm.weight": (C,)}
+    if not hf["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (V, C)
+    for i in range(hf["num_hidden_layers"]):
+        layer = {"input_layernorm.weight": (C,), "post_attention_layernorm.weight": (C,),
+                 "self_attn.q_proj.weight": (q_width, C), "self_attn.k_proj.weight": (kv_width, C),
+                 "self_attn.v_proj.weight": (kv_width, C), "self_attn.o_proj.weight": (C, q_width),
+                 "mlp.gate_proj.weight": (I, C), "mlp.up_proj.weight": (I, C), "mlp.down_proj.weight": (C, I)}
+        if hf["attention_bias"]:
+            layer.update({"self_attn.q_proj.bias": (q_width,), "self_attn.k_proj.bias": (kv_width,),
+                          "self_attn.v_proj.bias": (kv_width,), "self_attn.o_proj.bias": (C,)})
+        if hf.get("mlp_bias"):
+            layer.update({"mlp.gate_proj.bias": (I,), "mlp.up_proj.bias": (I,), "mlp.down_proj.bias": (C,)})
+        if hf["model_type"] == "qwen3":
+            layer.update({"self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,)})
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+def hf_state_dict(model):
+    """Our parameters under their Hugging Face names; a tied output head is stored once, as HF does."""
+    state = {"model." + name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state["lm_head.weight"] = state.pop("model.lm_head.weight")
+    if model.config.tie_embeddings:
+        del state["lm_head.weight"]
+    return state
+
+
+def check_tensors(state, hf):
+    """UserError unless state holds exactly the tensors (names and shapes) the architecture of hf has."""
+    expected, arch = hf_tensor_shapes(hf), hf["architectures"][0]
+    extra, missing = sorted(state.keys() - expected.keys()), sorted(expected.keys() - state.keys())
+    if extra or missing:
+        raise UserError(f"the model's tensors are not a {arch}'s: {len(extra)} it does not have (e.g. {extra[:2]}), "
+                           f"{len(missing)} it needs (e.g. {missing[:2]}); a changed model.py exports only as itself")
+    wrong = next((name for name, shape in expected.items() if tuple(state[name].shape) != shape), None)
+    if wrong:
+        raise UserError(f"{wrong} has shape {tuple(state[wrong].shape)}, a {arch} of this config has {expected[wrong]}")
+
+
+def our_logits(model, idx):
+    """Logits (B, T, V) of idx through every attention path: a whole-sequence forward, and through the KV cache
+    (a prefill, then one token at a time), so that an edit to the mask rule that training's fast path does not
+    see is seen here. UserError if the two disagree."""
+    T = idx.size(1)
+    with torch.no_grad():
+        full = model(idx)[0]
+        cache = model.new_kv_cache(*idx.shape)
+        half = max(1, T // 2)
+        cached = torch.cat([model(idx[:, :half], kv_cache=cache)[0]] +
+                           [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(half, T)], dim=1)
+    if (full - cached).abs().max() > 1e-4 * max(1.0, full.abs().max().item()):
+        raise UserError("the model's logits through the KV cache differ from a whole-sequence forward; "
+                           "run python -m pytest tests/test_invariants.py to see where")
+    return full
+
+
+def check_logits(model, folder):
+    """UserError unless transformers, loading folder, computes our model's logits on one batch; False when
+    transformers is not installed (nothing checked)."""
+    try:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging
+    except ImportError:
+        return False
+    logging.disable_progress_bar()  # its weight-loading bar would be the export's only stderr output
+    theirs = AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, min(64, model.config.block_size)),
+                        generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    expected = our_logits(model.eval(), idx)
+    model.train(was_training)
+    with torch.no_grad():
+        actual = theirs(idx).logits
+    difference = (expected - actual).abs().max().item()
+    if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
+        raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
+                           f"(max difference {difference:.3g}): the model is not one it can represent")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizer: meta.json -> tokenizer.json
+
+
+def bpe_merges(ranks):
+    """The merge list of a tiktoken vocabulary (bytes -> rank): each token of two or more bytes is made by
+    the merge that byte-pair encoding with the lower-ranked tokens ends on, listed in rank order."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:  # apply the best merge among the tokens made before this one, as BPE would
+            pair_ranks = [ranks.get(parts[i] + parts[i + 1], rank) for i in range(len(parts) - 1)]
+            best = min(range(len(pair_ranks)), key=pair_ranks.__getitem__)
+            if pair_ranks[best] >= rank:
+                raise UserError(f"token {token!r} cannot be made by merging earlier tokens; not a BPE vocabulary")
+            parts[best:best + 2] = [parts[best] + parts[best + 1]]
+        merges.append(tuple(parts))
+    return merges
+
+
+def tokenizer_json(meta):
+    """tokenizer.json (for transformers' AutoTokenizer) of the tokenizer in a dataset's meta.json."""
+    if meta["tokenizer"] == "char":  # one token per character: BPE with no merges, decoded by joining
+        model = dict(type="BPE", vocab={c: i for i, c in enumerate(meta["chars"])}, merges=[], unk_token=None)
+        return dict(version="1.0", added_tokens=[], normalizer=None, pre_tokenizer=None, post_processor=None,
+                    decoder=dict(type="Fuse"), model=model)
+    if meta["tokenizer"] != "gpt2":
+        raise UserError(f"tokenizer {meta['tokenizer']!r} cannot be written as tokenizer.json; only gpt2 and char")
+    enc = named_encoding("gpt2")
+    to_unicode = byte_to_unicode()
+    text = lambda token: "".join(to_unicode[b] for b in token)  # noqa: E731
+    ranks = enc._mergeable_ranks  # bytes -> id; tiktoken has no public accessor for the vocabulary
+    model = dict(type="BPE", vocab={text(token): rank for token, rank in ranks.items()},
+                 merges=[[text(a), text(b)] for a, b in bpe_merges(ranks)], unk_token=None,
+                 continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False)
+    byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=True, use_regex=True)
+    added = [dict(id=i, content=s, single_word=False, lstrip=False, rstrip=False, normalized=False, special=True)
+             for s, i in enc._special_tokens.items()]
+    return dict(version="1.0", added_tokens=added, normalizer=None, pre_tokenizer=byte_level,
+                post_processor=None, decoder=byte_level, model=model)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The folder
+
+
+def write_folder(model, meta, config, folder):
+    """model.safetensors, the tokenizer files and config.json into the (existing, empty) folder."""
+    from safetensors.torch import save_file  # only exports need safetensors
+
+    save_file(hf_state_dict(model), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    if meta:
+        write_json(os.path.join(folder, "tokenizer.json"), tokenizer_json(meta), indent=1, ensure_ascii=False)
+        write_json(os.path.join(folder, "tokenizer_config.json"), dict(
+            tokenizer_class="PreTrainedTokenizerFast", clean_up_tokenization_spaces=False,
+            model_max_length=model.config.block_size, **({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+                                                        if meta["tokenizer"] == "gpt2" else {})), indent=1)
+    write_json(os.path.join(folder, "config.json"), config, indent=1, ensure_ascii=False)
+
+
+EXPORT_FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
+def export_hf(model, meta, folder):
+    """Write model (a GPT on the CPU, in float32) and its tokenizer (meta) to folder in the Hugging Face format,
+    after checking that it is exactly a Llama or Qwen3; return (the config.json dict, whether transformers
+    checked the logits). The files are written to a temp folder, moved into folder only when every check has
+    passed, and replace an earlier export there; a folder holding anything else is refused."""
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        raise UserError(f"export a CPU float32 model (this one is {weight.dtype} on {weight.device}), "
+                           "e.g. gpt.checkpoint.load_model(out_dir)")
+    others = sorted(set(os.listdir(folder)) - EXPORT_FILES) if os.path.isdir(folder) else []
+    if others:
+        raise UserError(f"{folder} holds files an export does not write ({', '.join(others[:3])}); "
+                           "export into a new or empty folder, or one holding an earlier export")
+    config = hf_config(model.config, meta.get("eot_token") if meta else None)
+    check_tensors(hf_state_dict(model), config)
+    parent = os.path.dirname(os.path.abspath(folder))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(folder)) + ".tmp-", dir=parent)
+    try:
+        write_folder(model, meta, config, tmp)
+        checked = check_logits(model, tmp)
+        os.makedirs(folder, exist_ok=True)
+        written = os.listdir(tmp)
+        for name in sorted(written, key=lambda name: name == "config.json"):  # config.json last: then complete
+            os.replace(os.path.join(tmp, name), os.path.join(folder, name))
+        for name in EXPORT_FILES - set(written):  # an earlier export's file that this one has not (tokenizer)
+            if os.path.exists(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, checked
