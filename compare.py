@@ -131,7 +131,7 @@ def parse_group(spec, index):
         key = arg[2:].partition("=")[0] if arg.startswith("--") else None
         if key in SET_BY_COMPARE:
             raise UserError(f"group {name} sets --{key}, which compare.py sets for every run; give the budget as "
-                               "--iters, --tokens or --seconds and the output folder as --out_dir")
+                            "--iters, --tokens or --seconds and the output folder as --out_dir")
     return name, args
 
 
@@ -160,7 +160,7 @@ def budget_iters(budget, settings, name):
     iters = value if kind == "iters" else value // tokens_per_iter(settings)
     if iters < 1:
         raise UserError(f"--tokens={value} is less than one iteration of group {name} "
-                           f"({tokens_per_iter(settings):,} tokens); give a larger budget")
+                        f"({tokens_per_iter(settings):,} tokens); give a larger budget")
     return iters
 
 
@@ -177,7 +177,7 @@ def check_comparable(settings):
     if len(set(datasets.values())) > 1:
         listed = ", ".join(f"{name}: {d}" for name, d in datasets.items())
         raise UserError(f"the groups train on different datasets ({listed}), whose val losses do not compare; "
-                           "give every group the same --dataset")
+                        "give every group the same --dataset")
     dataset = next(iter(datasets.values()))
     try:
         load_meta(os.path.join("data", dataset))
@@ -207,14 +207,14 @@ def load_comparison(path, out_dir, budget, groups):
         saved_budget, saved_groups = saved["budget"], saved["groups"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{path} is not a comparison written by compare.py ({type(e).__name__}); give another "
-                           "--out_dir") from None
+                        "--out_dir") from None
     if saved_budget != budget:
         raise UserError(f"{out_dir} holds a comparison at another budget ({saved_budget['value']} "
-                           f"{saved_budget['kind']}); give the same budget or another --out_dir")
+                        f"{saved_budget['kind']}); give the same budget or another --out_dir")
     for name, args in groups.items():
         if name in saved_groups and saved_groups[name]["args"] != args:
             raise UserError(f"{out_dir} has a group {name} with other arguments ({shlex.join(saved_groups[name]['args'])}); "
-                               "give this group another name, or use another --out_dir")
+                            "give this group another name, or use another --out_dir")
     return saved
 
 
@@ -257,7 +257,7 @@ def train_run(name, seed, args, comparison, out_dir, threads, code, budget, iter
         return
     if record and record["code"] != code:
         raise UserError(f"{name} seed {seed} was started with other code ({', '.join(CODE_FILES)} hash "
-                           f"{record['code']}, now {code}); undo the edit to finish it, or use another --out_dir")
+                        f"{record['code']}, now {code}); undo the edit to finish it, or use another --out_dir")
     resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))
     os.makedirs(run_dir, exist_ok=True)
     argv = [*args, f"--out_dir={run_dir}", f"--seed={seed}", f"--threads={threads}",
@@ -269,11 +269,11 @@ def train_run(name, seed, args, comparison, out_dir, threads, code, budget, iter
     status = run_training(argv, os.path.join(run_dir, "train.log"))
     if status != 0:
         raise UserError(f"{name} seed {seed} stopped: {last_line(os.path.join(run_dir, 'train.log'))}; fix "
-                           "that and run the same command again (finished runs are kept)")
+                        "that and run the same command again (finished runs are kept)")
     result = run_result(run_dir, budget, iters)
     if result is None:
         raise UserError(f"{name} seed {seed} stopped before its budget (log: {os.path.join(run_dir, 'train.log')}); "
-                           "run the same command again to continue it")
+                        "run the same command again to continue it")
     comparison["runs"][name][str(seed)] = dict(code=code, **result)
     save_comparison(comparison, out_dir)
 

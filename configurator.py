@@ -3,22 +3,18 @@ Settings from the command line, the nanoGPT way: `python train.py config/small.p
 
     settings = configure(dict(batch_size=12, learning_rate=6e-4, compile=True, top_k=None), sys.argv[1:])
 
-The script owns the defaults; configure() returns a new dict with argv applied in order, so later
-arguments win. Anything wrong raises UserError with a one-line message for the user.
+The script owns the defaults; configure() returns a new dict with argv applied in order, so later arguments win.
+Anything wrong, an unknown key too (the closest known one suggested), is a UserError with a one-line message.
 
-- A positional argument is a config file: Python run in a fresh namespace. Its public names (no leading
-  underscore; modules, functions and classes are skipped) are settings. A missing file gets a suggestion
-  from config/*.py (relative to the current directory) when one is close.
-- `--key=value` splits at the first `=`, so values may contain `=`. `--key value` works too, unless the
-  next token starts with `--`. `--max-iters` means `max_iters`.
-- A bare `--flag` sets a boolean setting to True; a following token is taken as its value only if it is a
-  boolean word, so `--compile config/small.py` keeps the file positional. Other settings need a value.
-- A value is ast.literal_eval'ed; if that fails, the raw text is the value (unquoted strings).
-- Values are checked against the default's type: bool takes True/False/1/0 (any case); int takes ints
-  and integral floats (1e3 -> 1000); float takes ints and floats (stored as float); str takes the raw text
-  when it is not a quoted string (`--dataset=123` is '123'); tuple/list take either (elements unchecked);
-  a None default takes anything. Config file values are checked the same way, but a str setting needs a
-  str there. Unknown keys are errors, with the closest known key suggested.
+- A positional argument is a config file, run as Python in a fresh namespace; its public names (no leading underscore,
+  not modules, functions or classes) are settings. A missing one gets the closest config/*.py (from the cwd) suggested.
+- `--key=value` splits at the first `=`; `--key value` works unless the next token starts with `--`; `--max-iters`
+  means `max_iters`. A bare `--flag` sets a boolean to True, taking the next token as its value only if it is a boolean
+  word, so `--compile config/small.py` keeps the file positional. Other settings need a value.
+- A value is ast.literal_eval'ed, else the raw text (unquoted strings), then checked against the default's type: bool
+  takes True/False/1/0 (any case), int integral floats too (1e3 -> 1000), float ints too, str the raw text unless it
+  is a quoted string (`--dataset=123` is '123'), tuple/list either (elements unchecked), a None default anything.
+  Config file values are checked the same way, but a str setting needs a str there.
 """
 
 import ast
@@ -56,7 +52,6 @@ def _take_value(key, default, args):
     """The value of `--key` given without `=`: the next token, or True for a bare boolean flag."""
     has_next = bool(args) and not args[0].startswith("--")
     if isinstance(default, bool):
-        # only a boolean word belongs to the flag; anything else (a config file) stands on its own
         return args.pop(0) if has_next and args[0].lower() in _BOOL_WORDS else "True"
     if not has_next:
         raise UserError(f"--{key} needs a value, as in --{key}=VALUE")

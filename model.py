@@ -302,7 +302,7 @@ class GPT(nn.Module):
         if not 1 <= max_len <= self.config.block_size or batch_size < 1:
             raise ValueError(f"KV cache max_len must be in [1, block_size={self.config.block_size}] and batch_size "
                              f">= 1, got {max_len} and {batch_size}")
-        param = self.embed_tokens.weight  # the head may be quantized (quantize.py) and hold no .weight
+        param = self.embed_tokens.weight  # the head may be quantized (gpt/quantize.py) and hold no .weight
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
                        device=device or param.device, dtype=dtype or param.dtype, static=static)
 
@@ -326,7 +326,7 @@ class GPT(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Choosing the next token (generate here, engine.py for sample.py)
+# Choosing the next token (generate here, gpt/engine.py for sample.py)
 
 
 def check_sampling(temperature, top_k, top_p):

@@ -3,16 +3,14 @@ Sample text from a trained model, streamed to the terminal as it is produced:
 
     python sample.py --prompt "ROMEO:"                        # the model config/small.py trains (out-small)
     python sample.py --out_dir=out-gpt2-124m --prompt FILE:prompt.txt --num_samples=3   # --prompt - reads stdin
-    python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative decoding with a smaller model
-                                                              # (python train.py config/small_draft.py trains it)
+    python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative with a draft model (config/small_draft.py)
     python sample.py --prompt FILE:code.py --draft=lookup     # speculative, the context as the draft (prompt lookup)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
     python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest at batch 1
     python sample.py --prompt "ROMEO:" --quantize=w8a8 --num_samples=8   # the fastest batched (CPU)
 
-This is the command line; the decoding is engine.py's (speculative.py's with --draft), described in
-docs/sampling.md. The first sample is streamed, the others are printed when the batch is done; notes and the
-speed go to stderr.
+The decoding is engine.py's (speculative.py's with --draft): docs/sampling.md. The first sample is streamed, the
+others are printed when the batch is done; notes and the speed go to stderr.
 """
 
 import os
@@ -43,16 +41,13 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, one scale per output channel (the draft's too); fast compiled;
-    # "w8a8": the rows too, each with its own scale (llama.cpp's q8_0 kind): fast at several rows (quantize.py)
+    quantize=None,  # "int8": int8 weights, a scale per output channel (the draft's too); "w8a8": rows too (quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
-    compile=None,  # torch.compile the decode step (static cache shapes; compiled code is kept: kernels.cache_dir());
-    # None: on a CPU or CUDA where it pays (a model over 64 MB, or int8: engine.compiles_by_default), else not
-    draft="",  # out_dir (or .pt, or hf:path) of a smaller model with the same tokenizer, for speculative decoding;
-    # "lookup": the context is the draft (what followed the last tokens where they occurred before; no model)
+    compile=None,  # torch.compile the decode step (kept on disk); None: where it pays (engine.compiles_by_default)
+    draft="",  # for speculative decoding, a smaller model (out_dir, .pt, hf:path) with the same tokenizer, or "lookup"
     draft_k=4,  # tokens the draft proposes per step
 )
-LOOKUP = "lookup"  # draft=lookup
+LOOKUP = "lookup"  # draft=lookup: the context is the draft (prompt lookup; no model)
 DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
 SEPARATOR = "\n" + "-" * 40 + "\n"
 WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
@@ -92,15 +87,14 @@ def check_settings(settings):
 
 
 def check_draft_exists(draft, dataset):
-    """A draft out_dir (or .pt) without a checkpoint: the command that trains one on the model's dataset (known when
-    the model is a train.py checkpoint) into it."""
+    """Refuse a draft with no checkpoint, naming the command that trains one on the model's dataset (if known)."""
     path = checkpoint_path(draft)
     if draft.startswith("hf:") or os.path.exists(path):
         return
     extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
     on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
     raise UserError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "
-                      f"{train_command(path, DRAFT_CONFIG, extra)}")
+                    f"{train_command(path, DRAFT_CONFIG, extra)}")
 
 
 def main(argv):
@@ -110,7 +104,32 @@ def main(argv):
     device = resolve_device(settings["device"])
     from gpt.machine import shared_cpu
     cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
-    dtype = resolve_dtype(settings["dtype"], device)
+    model, draft, tokenizer = load_models(source, settings, device, resolve_dtype(settings["dtype"], device))
+    prompt = read_prompt(settings["prompt"])
+    prompt_ids = encode_prompt(prompt, tokenizer, model, draft, settings["draft"])
+    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    if busy_note:
+        print(busy_note, file=sys.stderr)  # stdout stays the text
+
+    samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
+    print(prompt, end="", flush=True)
+    kernels = None
+    if device.startswith("cpu"):  # each decode step's matrix kernel is chosen for this CPU (gpt/kernels.py)
+        from gpt import kernels  # imported before the clock starts; the choice is said after the text
+    start = time.perf_counter()
+    acceptance = decode(model, draft, prompt_ids, settings, samples, device)
+    seconds = time.perf_counter() - start
+    for text in samples.texts[1:]:
+        print(SEPARATOR + prompt + text, end="")
+    print(flush=True)  # before the lines on stderr, which is not buffered
+    if kernels:
+        print(kernels.chosen_note(), file=sys.stderr)
+    print(speed_line(samples, seconds, settings["num_samples"], acceptance), file=sys.stderr)
+
+
+def load_models(source, settings, device, dtype):
+    """The model, the draft model (None without one, or with draft=lookup) and the tokenizer, quantized as asked;
+    settings["compile"] decided (None: compiles_by_default)."""
     quantize = None
     if settings["quantize"]:
         from gpt.quantize import check_quantize, quantize
@@ -125,19 +144,21 @@ def main(argv):
             from gpt.kernels import cache_dir
             print(f"note: compiling the decode step, kept in {cache_dir()}: slow only in a machine's first run "
                   f"(--compile=False skips it)", file=sys.stderr)
-    tokenizer = Tokenizer(meta)
     draft = None
     if settings["draft"] and settings["draft"] != LOOKUP:
         check_draft_exists(settings["draft"], dataset)
         draft, draft_meta = load_model(settings["draft"], device, dtype)
         if draft_meta != meta:
             raise UserError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "
-                              f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
-                              f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
+                            f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
+                            f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
         if quantize:
             quantize(draft, settings["quantize"])
+    return model, draft, Tokenizer(meta)
 
-    prompt = read_prompt(settings["prompt"])
+
+def encode_prompt(prompt, tokenizer, model, draft, draft_name):
+    """The prompt's token ids, checked to fit the context of the model (and of the draft)."""
     try:
         prompt_ids = tokenizer.encode(prompt, special_tokens=True)  # "<|endoftext|>" in a prompt is the token
     except UserError as e:
@@ -148,40 +169,34 @@ def main(argv):
         prompt_ids = [tokenizer.eot]  # "a new document"
     block_size, reader = model.config.block_size, "the model"
     if draft is not None and draft.config.block_size < block_size:
-        block_size, reader = draft.config.block_size, f"the draft {settings['draft']}"
+        block_size, reader = draft.config.block_size, f"the draft {draft_name}"
     if len(prompt_ids) >= block_size:
         raise UserError(f"the prompt is {len(prompt_ids)} tokens, but {reader} reads at most "
-                          f"block_size={block_size}; shorten it")
-    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
-    if busy_note:
-        print(busy_note, file=sys.stderr)  # stdout stays the text
+                        f"block_size={block_size}; shorten it")
+    return prompt_ids
 
+
+def decode(model, draft, prompt_ids, settings, samples, device):
+    """Decode into samples: batched (gpt/engine.py), or speculatively with a draft model or prompt lookup
+    (gpt/speculative.py), which return the drafted tokens (accepted, proposed)."""
     generator = torch.Generator(device=device).manual_seed(settings["seed"])
-    samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
-    print(prompt, end="", flush=True)
-    kernels = None
-    if device.startswith("cpu"):  # each decode step's matrix kernel is chosen for this CPU (kernels.py); said after
-        from gpt import kernels
-    start = time.perf_counter()
-    if settings["draft"]:
-        from gpt.speculative import decode_lookup, decode_speculative
-        n_accepted, n_proposed = (decode_lookup(model, prompt_ids, settings, samples, generator) if draft is None
-                                  else decode_speculative(model, draft, prompt_ids, settings, samples, generator))
-    else:
-        decode_batch(model, prompt_ids, settings, samples, generator)
-    seconds = time.perf_counter() - start
-    for text in samples.texts[1:]:
-        print(SEPARATOR + prompt + text, end="")
-    print(flush=True)  # before the lines on stderr, which is not buffered
-    if kernels:
-        print(kernels.chosen_note(), file=sys.stderr)
+    if not settings["draft"]:
+        return decode_batch(model, prompt_ids, settings, samples, generator)
+    from gpt.speculative import decode_lookup, decode_speculative
+    if draft is None:
+        return decode_lookup(model, prompt_ids, settings, samples, generator)
+    return decode_speculative(model, draft, prompt_ids, settings, samples, generator)
+
+
+def speed_line(samples, seconds, num_samples, acceptance):
     speed = f"{samples.n_tokens} tokens in {seconds:.2f} s ({samples.n_tokens / seconds:.1f} tokens/s"
-    warmup = WARMUP_TOKENS * settings["num_samples"]
+    warmup = WARMUP_TOKENS * num_samples
     steady = samples.tokens_per_second_after(warmup)
     speed += f"; {steady:.1f} after the first {warmup})" if steady else ")"
-    if settings["draft"]:
+    if acceptance:
+        n_accepted, n_proposed = acceptance
         speed += f", draft acceptance rate {n_accepted / max(1, n_proposed):.1%} ({n_accepted}/{n_proposed})"
-    print(speed, file=sys.stderr)
+    return speed
 
 
 if __name__ == "__main__":

@@ -243,12 +243,12 @@ def micro_steps_per_process(settings, world_size):
     if not total:
         if steps % world_size:
             raise UserError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
-                             f"({world_size}): it counts the micro-steps of all processes together (global batch = "
-                             f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
+                            f"({world_size}): it counts the micro-steps of all processes together (global batch = "
+                            f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
         return steps // world_size
     if steps != 1:
         raise UserError(f"total_batch_size ({total}) and gradient_accumulation_steps ({steps}) both set the global "
-                         "batch; pass one of them (--total_batch_size=0 turns the first off)")
+                        "batch; pass one of them (--total_batch_size=0 turns the first off)")
     per_micro_step = batch * block * world_size  # tokens of one micro-step on every process
     nearest = f"--total_batch_size={per_micro_step * max(1, round(total / per_micro_step))}"
     if total % block:
@@ -261,8 +261,8 @@ def micro_steps_per_process(settings, world_size):
     what_to_pass = f"--batch_size={fits[0]} (the same global batch)" if fits else nearest
     elsewhere = f", or run on {', '.join(map(str, counts))} process{'es' * (counts != [1])}" if counts else ""
     raise UserError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into "
-                     f"micro-batches of batch_size {batch} on {world_size} processes; on {world_size} pass "
-                     f"{what_to_pass}{elsewhere}")
+                    f"micro-batches of batch_size {batch} on {world_size} processes; on {world_size} pass "
+                    f"{what_to_pass}{elsewhere}")
 
 
 def resume_checkpoint(path, world_size, device):
@@ -375,7 +375,7 @@ def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
         return 0, float("inf"), 0.0
     if checkpoint["settings"]["optimizer"] != optimizer:
         raise UserError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
-                         f"resume with that optimizer")
+                        f"resume with that optimizer")
     from gpt.parallel import load_optimizer_states
 
     load_optimizer_states(model, optimizers, checkpoint["optimizers"])
@@ -457,7 +457,7 @@ def check_finite(loss, iter_num, ckpt_path):
     if not math.isfinite(loss):
         kept = f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path) else "no checkpoint was saved"
         raise UserError(f"loss is {loss} at iter {iter_num}: training diverged and stops; {kept}. "
-                         "Lower learning_rate, raise warmup_iters or set grad_clip")
+                        "Lower learning_rate, raise warmup_iters or set grad_clip")
 
 
 def lr_multiplier(it, settings, time_spent=None):

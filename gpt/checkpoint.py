@@ -1,7 +1,7 @@
 """
-Where models come from and go to: the device and dtype to run on, and train.py's ckpt.pt (saved atomically, loaded
-without running code); Hugging Face folders are read through gpt/hf.py. Every command loads through here, so a
-missing, truncated or foreign file gets the same one-line message everywhere.
+Where models come from and go to: the device and dtype to run on, train.py's ckpt.pt (saved atomically, loaded without
+running code) and, through gpt/hf.py, Hugging Face folders. Every command loads through here, so a missing, truncated
+or foreign file gets the same one-line message everywhere.
 
     model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
@@ -26,10 +26,9 @@ def first_line(error):
 
 
 def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; anything else as given (e.g. "cpu", "cuda", "cuda:1"). A CUDA device with an
-    index is made the current one: torch.compile, fused AdamW and the caching allocator use the current device, not
-    the one the model was moved to, so --device=cuda:1 would otherwise still touch cuda:0. Plain "cuda" already
-    means the current device (and torch.cuda.set_device refuses a device without an index)."""
+    """"auto": CUDA, then MPS, then CPU; anything else as given. A CUDA device with an index is made the current one:
+    torch.compile, fused AdamW and the caching allocator use the current device, not the model's, so --device=cuda:1
+    would otherwise still touch cuda:0. Plain "cuda" is the current device (and set_device refuses it)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda"):
@@ -46,10 +45,9 @@ def resolve_device(device):
 
 
 def resolve_dtype(dtype, device):
-    """The torch dtype for a dtype setting. "auto": bfloat16 on CUDA cards of compute capability 8.0 or more
-    (Ampere on), float16 on older ones (T4, V100, RTX 20xx: they only emulate bfloat16, slowly, and SDPA's flash
-    kernel refuses it; training adds loss scaling), float32 on CPU and MPS. bfloat16 asked of an older card is an
-    error, not a slow run."""
+    """The torch dtype for a dtype setting. "auto": bfloat16 on CUDA cards of compute capability 8.0 or more, float16
+    on older ones (they only emulate bfloat16, slowly, and SDPA's flash kernel refuses it), float32 on CPU and MPS.
+    bfloat16 asked of an older card is an error, not a slow run."""
     cuda = device.startswith("cuda")
     if dtype == "auto":
         dtype = "float32" if not cuda else "bfloat16" if cuda_capability(device) >= (8, 0) else "float16"
@@ -72,8 +70,8 @@ def cuda_capability(device):
 
 
 def save_checkpoint(path, checkpoint):
-    """torch.save to a temp file, then rename: a crash or a full disk never leaves a half-written checkpoint,
-    and the one saved before stays. A failed write is a UserError naming the path and the cause."""
+    """torch.save through atomic_open, so the checkpoint saved before stays until this one is whole; a failed write
+    is a UserError naming the path and the cause."""
     try:
         with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
             torch.save(checkpoint, f)
@@ -82,8 +80,8 @@ def save_checkpoint(path, checkpoint):
 
 
 def train_command(path, config="config/small.py", extra=""):
-    """The train.py command, in backquotes, that writes the checkpoint asked for at path: out_dir/ckpt.pt, or a .pt file
-    of another name (train.py writes ckpt.pt in its folder, then that is the file to load). extra: more arguments."""
+    """The train.py command, in backquotes, that writes the checkpoint asked for at path (for a .pt file not named
+    ckpt.pt: the ckpt.pt it writes in that folder, to load instead). extra: more arguments."""
     out_dir = os.path.dirname(path) or "."
     command = f"`python train.py {config} --out_dir={shlex.quote(out_dir)}{extra}`"
     if os.path.basename(path) != "ckpt.pt":
@@ -121,9 +119,8 @@ def model_from_checkpoint(checkpoint, path):
 
 
 def load_weights(model, state, path):
-    """model.load_state_dict(state) for the checkpoint at path, where tensors that do not fit are a UserError
-    naming them: the file is fine, model.py was changed since it was written (torch's error lists them over many
-    lines, and its first line names none)."""
+    """model.load_state_dict(state), where tensors that do not fit (model.py changed since the file was written) are a
+    UserError naming them: torch's error lists them over many lines, and its first line names none."""
     mismatch = tensor_mismatch(model.state_dict(), state)
     if mismatch:
         raise UserError(f"{path} does not fit this model.py: {mismatch}; it was written by a model of another "
@@ -132,8 +129,8 @@ def load_weights(model, state, path):
 
 
 def tensor_mismatch(expected, state):
-    """What keeps the tensors state from loading where the tensors expected go, in one line ("" if nothing): the
-    names missing, unexpected, and of another shape, in the model's order, at most 5 of each."""
+    """In one line ("" if none), what keeps state from loading into expected: the names missing, unexpected and of
+    another shape, in the model's order, at most 5 of each."""
     def listed(what, names):
         more = f" and {len(names) - 5} more" if len(names) > 5 else ""
         return f"{what} {', '.join(names[:5])}{more}" if names else ""
@@ -151,8 +148,7 @@ def size(tensor):
 
 
 def model_source(init_from, out_dir):
-    """What load_run reads for a command's init_from and out_dir settings: out_dir's ckpt.pt for "resume", the
-    folder of "hf:folder"."""
+    """What load_run reads for a command's init_from and out_dir: out_dir for "resume", else the "hf:folder"."""
     if init_from != "resume" and not init_from.startswith("hf:"):
         raise UserError(f"init_from must be resume or hf:path/to/folder, got {init_from!r}")
     return out_dir if init_from == "resume" else init_from
@@ -165,8 +161,7 @@ def load_model(source, device="cpu", dtype=torch.float32):
 
 
 def load_run(source, device="cpu", dtype=torch.float32):
-    """load_model's (model, meta), and the dataset the model was trained on (a train.py checkpoint's setting; None
-    for a Hugging Face folder)."""
+    """load_model's (model, meta), and the dataset a checkpoint was trained on (None for a Hugging Face folder)."""
     if source.startswith("hf:"):
         from gpt.hf import load_hf
 

@@ -1,12 +1,6 @@
 """
-The decoding engine: from a prompt's token ids to new tokens, fast, for sample.py, bench/ and evaluation.
-
-- prefill: the prompt goes through the model once; its KV cache is then copied to every sample.
-- decode_batch: the samples decode together, one token per step; a sample that ends (Samples.add says so)
-  leaves the batch, and when the context reaches block_size the window slides (slide). With compile, the step
-  is torch.compiled once over a static cache; on a CPU the products run the kernels chosen for it (cpu_kernels).
-- Samples: the text of each sample, its stop strings, and sample 0 streamed to stdout.
-Speculative decoding is speculative.py's, scoring given tokens scoring.py's; the settings are sample.py's.
+The decoding engine (docs/sampling.md): from a prompt's token ids to new tokens, fast, for sample.py, bench/ and
+evaluation. Speculative decoding is speculative.py's, scoring given tokens scoring.py's; the settings are sample.py's.
 """
 
 import contextlib
@@ -30,8 +24,8 @@ class Samples:
         self.added_at = []  # time.perf_counter() of each token's arrival, for the speed after the first ones
 
     def add(self, sample, token):
-        """Record one new token of a sample; True if the sample has ended with it. A sample ends right after
-        its first stop string: the rest of the token that completed it (a BPE token can hold more) is dropped."""
+        """Record one new token of a sample; True if it ended the sample. A sample ends right after its first stop
+        string: the rest of the token that completed it (a BPE token can hold more) is dropped."""
         self.n_tokens += 1
         self.added_at.append(time.perf_counter())
         if token == self.tokenizer.eot:
@@ -46,8 +40,7 @@ class Samples:
         return stop_end is not None
 
     def tokens_per_second_after(self, n):
-        """The decoding speed from the n-th token on, without the prefill and the first steps (which compile and
-        record CUDA graphs with compile=True); None if fewer than n + 2 tokens came."""
+        """Tokens/s from the n-th token on, past the prefill and first (compiling) steps; None if fewer than n + 2."""
         if len(self.added_at) < n + 2:
             return None
         return (len(self.added_at) - 1 - n) / max(self.added_at[-1] - self.added_at[n], 1e-9)
@@ -66,22 +59,20 @@ def device_of(model):
 
 
 def next_token_probs(logits, settings, vocab_size):
-    """Probabilities (B, vocab_size) of the next token under the sampling settings; the model's vocabulary
-    may be padded past the tokenizer's, and those padding tokens are never chosen."""
+    """Probabilities (B, vocab_size) of the next token: the model's padding past the tokenizer's is never chosen."""
     return sampling_probs(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"])
 
 
 def next_tokens(logits, settings, vocab_size, generator):
-    """The next tokens (B, 1) after logits (B, V), drawn as model.sample_next_token draws them, with the settings
-    checked once (in sampling_probs; sample.py checked them before decoding), not twice a token."""
+    """model.sample_next_token's tokens (B, 1) without its check of the settings, which sampling_probs repeats."""
     if settings["temperature"] == 0:
         return greedy(logits[:, :vocab_size])
     return torch.multinomial(next_token_probs(logits, settings, vocab_size), num_samples=1, generator=generator)
 
 
 def prefill(model, contexts, max_len, static=False):
-    """A fresh KV cache holding all but the last token of each context (B, T), and the last tokens (B, 1).
-    The last token is left out so that the next step feeds it and gets the logits that follow it."""
+    """A fresh KV cache holding each context (B, T) but its last token, and the last tokens (B, 1): left out so that
+    the next step feeds them and gets the logits that follow."""
     cache = model.new_kv_cache(contexts.size(0), max_len, static=static)
     n_cached = contexts.size(1) - 1
     if n_cached:
@@ -92,22 +83,19 @@ def prefill(model, contexts, max_len, static=False):
 
 
 def slide(contexts, block_size):
-    """What a full context (B, T) keeps as the window slides, to be prefilled again: its last block_size // 2
-    tokens, so that the next slide (a prefill) is block_size // 2 tokens away, not one."""
+    """A full context's (B, T) last block_size // 2 tokens, prefilled again: the next slide is that far, not one."""
     return contexts[:, -(block_size // 2):]
 
 
 def decode_step(model, tokens, cache, input_pos):
-    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache: the same
-    shapes every step, so torch.compile compiles it once. The caller advances cache.pos."""
+    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache: the same shapes
+    every step, so torch.compile compiles it once. The caller advances cache.pos."""
     return chunk_logits(model, tokens, cache, input_pos)[:, -1]
 
 
 def decode_attention(model):
-    """Which of SDPA's kernels a decode step's attention runs: on a CPU in float16, its math kernel (the formula as
-    matrix products and a softmax, accumulated in float32; compiled, inductor fuses it), as torch's CPU flash kernel
-    is slow in float16 (bench/RESULTS.md). In float32 and bfloat16 the two run alike: the default (flash) stays.
-    Either kernel computes the same attention."""
+    """SDPA's math kernel on a CPU in float16 (compiled, inductor fuses it), where torch's CPU flash kernel is slow
+    (bench/RESULTS.md); elsewhere the default. Both compute the same attention."""
     if device_of(model).type == "cpu" and model.embed_tokens.weight.dtype == torch.float16:
         return sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
@@ -115,7 +103,7 @@ def decode_attention(model):
 
 def chunk_logits(model, tokens, cache, input_pos):
     """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: one token for
-    decode_step, or a speculative step's check of T - 1 proposed tokens, the same shapes every step."""
+    decode_step, or a speculative step's check of T - 1 proposed tokens."""
     with decode_attention(model):
         return model.lm_head(model.hidden_states(tokens, cache, input_pos))
 
@@ -127,24 +115,21 @@ def last_logits(model, tokens, cache):
     return model.lm_head(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
-# The compiled decode step on CUDA: mode="reduce-overhead" (CUDA graphs: eager, a step is hundreds of kernel
-# launches, launch-bound) plus coordinate-descent tuning, gpt-fast's setting: with it inductor turns a one-row
-# matrix product into a reduction (its decomposition of aten.mm), which is what fuses --quantize=int8's int8-to-16-bit
-# cast into the product, so that a batch-1 step reads int8 weights (tests/test_quantize.py shows the graph).
+# On CUDA: CUDA graphs (eager, a step is hundreds of kernel launches) and gpt-fast's coordinate-descent tuning, with
+# which inductor turns a one-row product into a reduction that fuses --quantize=int8's cast, so a batch-1 step reads
+# int8 weights (tests/test_quantize.py shows the graph).
 CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <= 255 unused slots costs little
-# The decode step compiles by default on a CPU or CUDA where that pays: weights over this size (a CPU step is then bound
-# by reading them, a CUDA one eager by hundreds of kernel launches) or int8 ones (eager, each step makes a float copy
-# of them). A smaller model's compiled code costs more to load than its tokens gain (config/small.py's on a CPU). MPS
-# does not compile: torch.compile's MPS backend is not what the repo tests.
+# Compiling pays for weights over this size (a CPU step is then bound by reading them, a CUDA one eager by kernel
+# launches) or int8 ones (eager, each step makes a float copy); a smaller model's compiled code costs more to load than
+# its tokens gain. MPS does not compile: torch.compile's MPS backend is not what the repo tests.
 COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
 
 
 def compile_decode_step(device, step=decode_step):
-    """step (decode_step, or chunk_logits) compiled for one decoding call, its guards skipping the model's modules
-    (checking them costs a share of every CPU step). Safe because the model does not change during one call, and no
-    other call can reuse this one's compiled code: dynamo keeps it per code object, and this one is a copy of step's
-    own (another model of the same shapes would pass the guards that are left)."""
+    """step compiled for one decoding call, its guards skipping the model's modules (checking them costs a share of
+    every CPU step). Safe: the model does not change during one call, and no other call can reuse this compiled code
+    (dynamo keeps it per code object, here a copy of step's; another model of the same shapes would pass the guards)."""
     step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__)
     options = {**(CUDA_COMPILE_OPTIONS if device.type == "cuda" else {}),
                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # a new dict: compile pops it
@@ -152,9 +137,8 @@ def compile_decode_step(device, step=decode_step):
 
 
 def compiled_cache_length(positions, block_size):
-    """The length of a compiled step's static cache for a run of positions: rounded up to a multiple of
-    COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code (the step attends over all of it),
-    at most block_size."""
+    """A compiled step's static cache length, which it attends over whole: the run's positions rounded up to a multiple
+    of COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code, at most block_size."""
     return min(block_size, -(-positions // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
 
 
@@ -167,9 +151,7 @@ def compiles_by_default(model):
 
 
 def cpu_kernels(model, rows, compiled=False):
-    """On a CPU, kernels.decode_linears: while in the block, the model's linear layers are swapped for ones that run
-    the matrix kernel chosen for this CPU at `rows` rows (an int, or several: a speculative check and its one-token
-    steps). Elsewhere nothing changes."""
+    """On a CPU, kernels.decode_linears (the matrix kernels chosen for this CPU); elsewhere nothing changes."""
     if device_of(model).type != "cpu":
         return contextlib.nullcontext()
     from gpt.kernels import decode_linears  # here, where the choice is made
@@ -178,10 +160,8 @@ def cpu_kernels(model, rows, compiled=False):
 
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
-    """Decode num_samples continuations of the prompt together, one token per step; samples that end
-    leave the batch. With no_kv_cache, every step recomputes the whole context instead. With compile, the
-    decode step is compiled, and samples that end stay in the batch (their tokens unused): a batch that
-    shrank would be a new shape to compile."""
+    """Decode num_samples continuations of the prompt together, one token per step (no_kv_cache: recomputing the whole
+    context); samples that end leave the batch, except compiled: a smaller batch would be a new shape to compile."""
     with cpu_kernels(model, settings["num_samples"], compiled=settings["compile"] and not settings["no_kv_cache"]):
         decode_loop(model, prompt_ids, settings, samples, generator)
 
@@ -196,7 +176,6 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
         use_compile_cache()  # compiled once per machine: a later run loads the kernels
         step_fn = compile_decode_step(device)
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    # A cache no longer than this run needs: the compiled step attends over all of it, so size matters
     max_len = len(prompt_ids) + settings["max_new_tokens"]
     max_len = compiled_cache_length(max_len, block_size) if compiled else min(block_size, max_len)
     contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
@@ -219,7 +198,7 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
         for i, token in enumerate(tokens[:, 0].tolist()):
             if rows[i] is not None and samples.add(rows[i], token):
                 rows[i] = None
-        if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no forward pass for logits never used
+        if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no unused forward pass
             break
         if None in rows and not compiled:  # finished samples stop costing work
             alive = [i for i, row in enumerate(rows) if row is not None]

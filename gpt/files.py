@@ -1,8 +1,7 @@
 """
-Files a run cannot afford to lose, written and read so that a crash, a full disk or a second process never
-leaves one half-written or mixed. Checkpoints, token shards, metadata and plots are written through
-atomic_open; train.py holds lock_folder on its out_dir; train.py and plot.py read metrics.jsonl through
-read_jsonl.
+Files a run cannot afford to lose, written and read so that a crash, a full disk or a second process never leaves one
+half-written or mixed: checkpoints, token shards, metadata and plots go through atomic_open, train.py locks its out_dir
+with lock_folder, and train.py and plot.py read metrics.jsonl with read_jsonl.
 """
 
 import contextlib
@@ -19,9 +18,8 @@ except ImportError:
 
 @contextlib.contextmanager
 def atomic_open(path, mode="wb"):
-    """Open a temp file next to `path` for writing, and move it to `path` only once the block succeeded and
-    the data is on disk: a crash, a kill or a full disk leaves the old file (or none), never a torn one, and
-    no temp file unless the process was killed outright (the next write replaces that one)."""
+    """A temp file next to `path`, moved there once the block succeeded and the data is on disk: a crash, kill or full
+    disk leaves the old file (or none), never a torn one (a SIGKILL may leave the temp; the next write replaces it)."""
     tmp = f"{path}.tmp"  # same folder, so os.replace is atomic
     try:
         with open(tmp, mode) as f:
@@ -36,8 +34,7 @@ def atomic_open(path, mode="wb"):
 
 
 def write_json(path, obj, **dump_args):
-    """obj as a JSON file at path, written atomically; dump_args: json.dumps's (indent=1, ...). A failed write is a
-    UserError naming the file and the cause."""
+    """obj as a JSON file at path, written atomically (dump_args: json.dumps's); a failed write is a UserError."""
     try:
         with atomic_open(path) as f:
             f.write(json.dumps(obj, **dump_args).encode())
@@ -55,9 +52,9 @@ def write_failure(error):
 
 
 def read_jsonl(path):
-    """(records, dropped): (line number, record) for each line of a file of JSON lines. A last line that does
-    not parse is what a crash or a full disk leaves while it is written: it is left out and returned as
-    `dropped` (else None). A bad line anywhere else raises ValueError naming the file and line."""
+    """(records, dropped): (line number, record) for each line of a JSON-lines file. A last line that does not parse
+    is what a crash or a full disk leaves mid-write: it is returned as `dropped` (else None), not as a record. A bad
+    line anywhere else raises ValueError naming the file and line."""
     with open(path, errors="replace") as f:
         lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     records = []
@@ -81,9 +78,8 @@ class FolderInUse(Exception):
 
 
 def lock_folder(folder):
-    """Take an exclusive lock on folder/lock, held until the returned file is closed or the process ends:
-    the OS releases it even after a kill, so a stale lock file never blocks. Raises FolderInUse when
-    another process holds it."""
+    """An exclusive lock on folder/lock, held until the returned file is closed or the process ends (the OS releases
+    it even after a kill, so a stale lock file never blocks); FolderInUse when another process holds it."""
     f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
     if fcntl is None:
         return f

@@ -45,7 +45,7 @@ class GPTLM(TemplateLM):
             return self.tokenizer.encode(string)
         except UserError as e:
             raise UserError(f"{e}: this task's text is not in the model's vocabulary; lm-eval tasks need a BPE "
-                               "model") from None
+                            "model") from None
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
         """(log p, is_greedy) of each request ((context, continuation), context tokens, continuation tokens)."""
@@ -138,7 +138,7 @@ def check_tasks(tasks, manager, include_path=None):
         close = difflib.get_close_matches(name, known, n=3)
         hint = f"did you mean {', '.join(close)}? " if close else ""
         raise UserError(f"unknown task {name!r}; {hint}list them with `lm-eval ls tasks`, or pass "
-                           "--include_path=DIR holding its YAML")
+                        "--include_path=DIR holding its YAML")
 
 
 @torch.inference_mode()
@@ -154,7 +154,7 @@ def run_tasks(model, tokenizer, tasks, limit=None, num_fewshot=None, batch_size=
                                        task_manager=manager, log_samples=log_samples, batch_size=batch_size)
     except (ConnectionError, OSError) as e:
         raise UserError(f"could not load the data of {', '.join(tasks)} ({str(e).splitlines()[0][:200]}); "
-                           "offline, use a cached copy of the dataset or a local task YAML with --include_path") from None
+                        "offline, use a cached copy of the dataset or a local task YAML with --include_path") from None
 
 
 def task_names(text):

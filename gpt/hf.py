@@ -124,7 +124,7 @@ def hf_config(config, eot_token=None):
         raise UserError("qk_norm=True with bias=True has no equivalent: Qwen3 (qk_norm) has no MLP biases")
     if config.window:
         raise UserError(f"window={config.window} (sliding-window attention) has no Llama/Qwen3 equivalent; "
-                           "only window=0 models export")
+                        "only window=0 models export")
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.mlp_width,
         num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
@@ -180,7 +180,7 @@ def check_tensors(state, hf):
     extra, missing = sorted(state.keys() - expected.keys()), sorted(expected.keys() - state.keys())
     if extra or missing:
         raise UserError(f"the model's tensors are not a {arch}'s: {len(extra)} it does not have (e.g. {extra[:2]}), "
-                           f"{len(missing)} it needs (e.g. {missing[:2]}); a changed model.py exports only as itself")
+                        f"{len(missing)} it needs (e.g. {missing[:2]}); a changed model.py exports only as itself")
     wrong = next((name for name, shape in expected.items() if tuple(state[name].shape) != shape), None)
     if wrong:
         raise UserError(f"{wrong} has shape {tuple(state[wrong].shape)}, a {arch} of this config has {expected[wrong]}")
@@ -199,7 +199,7 @@ def our_logits(model, idx):
                            [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(half, T)], dim=1)
     if (full - cached).abs().max() > 1e-4 * max(1.0, full.abs().max().item()):
         raise UserError("the model's logits through the KV cache differ from a whole-sequence forward; "
-                           "run python -m pytest tests/test_invariants.py to see where")
+                        "run python -m pytest tests/test_invariants.py to see where")
     return full
 
 
@@ -223,7 +223,7 @@ def check_logits(model, folder):
     difference = (expected - actual).abs().max().item()
     if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
         raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
-                           f"(max difference {difference:.3g}): the model is not one it can represent")
+                        f"(max difference {difference:.3g}): the model is not one it can represent")
     return True
 
 
@@ -300,11 +300,11 @@ def export_hf(model, meta, folder):
     weight = model.lm_head.weight
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         raise UserError(f"export a CPU float32 model (this one is {weight.dtype} on {weight.device}), "
-                           "e.g. gpt.checkpoint.load_model(out_dir)")
+                        "e.g. gpt.checkpoint.load_model(out_dir)")
     others = sorted(set(os.listdir(folder)) - EXPORT_FILES) if os.path.isdir(folder) else []
     if others:
         raise UserError(f"{folder} holds files an export does not write ({', '.join(others[:3])}); "
-                           "export into a new or empty folder, or one holding an earlier export")
+                        "export into a new or empty folder, or one holding an earlier export")
     config = hf_config(model.config, meta.get("eot_token") if meta else None)
     check_tensors(hf_state_dict(model), config)
     parent = os.path.dirname(os.path.abspath(folder))

@@ -1,24 +1,16 @@
 """
-Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: chosen by measurement on the
-machine, once, and remembered.
+Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: measured on the machine once, and
+remembered in kernels.json under cache_dir() (docs/sampling.md).
 
     with decode_linears(model, rows=1):   # inside, each linear layer is a DecodeLinear running the kernel chosen
         ...decode steps...
 
-A decode step reads every weight once to multiply it by one row per sample: it is bound by how fast a kernel
-streams the weights, and which kernel does that best depends on the CPU and on what torch was built with (MKL's
-product, oneDNN's, inductor's own loops and the BLAS's matrix-vector form each won somewhere: bench/RESULTS.md). So
-no kernel is picked by vendor: each candidate in KERNELS runs every linear layer of the model once, in order (a
-model larger than the CPU's caches is then read from memory, as decoding reads it), interleaved and best of
-REPEATS, and the fastest wins. Every candidate computes the same product in the same precision, only in another
-order: a choice changes the logits within float rounding, never the precision (a candidate that disagrees with
-F.linear is dropped); some take one kind of weight or rows only (their docstrings say which). An int8 layer
-(quantize.py) computes through a kernel itself (its `through`), applying its scales after the product.
-
-The choice is kept in kernels.json under cache_dir() with the machine it was measured on (CPU model and flags,
-torch version, threads) and the candidates: on another machine, torch or thread count, or with other candidates, it
-is measured again. torch.compile's own caches go there too (use_compile_cache), so that compiling is paid once per
-machine, not once per run.
+A decode step is bound by how fast a kernel streams the weights, and which kernel does that best depends on the CPU and
+torch's build (each candidate won somewhere: bench/RESULTS.md). So none is picked by vendor: each in KERNELS runs every
+linear layer of the model once, in order (a model larger than the caches is then read from memory, as decoding reads
+it), interleaved, best of REPEATS; the fastest wins. All compute the same product in the same precision, only in another
+order, so a choice changes the logits within float rounding (usable_kernels checks); some take one kind of weight or
+rows only. An int8 layer (quantize.py) computes through a kernel (its `through`), scaling after it.
 """
 
 import contextlib
@@ -95,14 +87,12 @@ def computed_first_shape(x):
 
 
 def reduction_linear(x, weight, bias):
-    """y[..., o] = sum_i x[..., i] W[o, i] written as products and sums, one per input row: compiled, inductor
-    fuses them into one loop that streams the weights once for all rows (an int8 weight's cast to x's dtype
-    included). Eager it would hold x * W whole, so it is a candidate only compiled. Several rows are computed first:
-    inductor would otherwise fuse the ops that make them (a norm) into the loop and redo them for every weight; one
-    row is faster fused. int8 rows (w8a8's) are multiplied in float32 like int8 weights."""
+    """y[..., o] = sum_i x[..., i] W[o, i] as products and sums, one per input row: compiled (COMPILED_ONLY), inductor
+    fuses them into one loop that streams the weights once for all rows (an int8 weight's cast included)."""
     rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
     weight = weight.to(rows.dtype)
-    # one float row: the fused form measured faster; int8 rows' quantization holds a reduction (its largest magnitude)
+    # rows computed first: else inductor fuses what makes them (a norm; int8 rows' quantization, a reduction) into the
+    # loop and redoes it for every weight. One float row is faster fused.
     if torch.compiler.is_compiling() and (rows.size(0) > 1 or not x.is_floating_point()):
         rows = computed_first(rows)
     y = torch.stack([(row * weight).sum(-1) for row in rows])  # (M, out); one broadcast product would read W M times
@@ -111,8 +101,8 @@ def reduction_linear(x, weight, bias):
     return y.view(*x.shape[:-1], weight.size(0))
 
 
-# (address, shape, dtype) of a weight -> (the weight, oneDNN's packed copy of it); emptied as decode_linears ends. The
-# weight is held so that no other tensor can take its address while its entry lasts.
+# (address, shape, dtype) of a weight -> (the weight, oneDNN's packed copy), emptied as decode_linears ends; holding the
+# weight keeps its address from being reused meanwhile.
 packed_weights = {}
 
 
@@ -126,14 +116,12 @@ def packed_copy(weight, pack):
 
 @opaque_when_compiled("packed_onednn_linear")
 def packed_onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's inner product on a copy of the weight packed once (into packed_weights) in oneDNN's own blocked
-    layout: given a plain weight, oneDNN reorders it at every call. The copy doubles the weights' memory while
-    decoding (see room_for_a_copy); an int8 weight is not copied into a float one, which would read more."""
+    """oneDNN's inner product on a copy of the weight packed once in its blocked layout (else it reorders the weight
+    every call). The copy doubles the weights' memory (room_for_a_copy); an int8 weight is not copied to float."""
     if not weight.is_floating_point():
         raise RuntimeError("packed oneDNN takes float weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
-    # oneDNN's layout depends on the rows it is packed for: packed for one row, products ran slower at 1 and at 8
-    # rows; any of 4 to 64 did alike, so every weight is packed for DECODE_ROWS
+    # the layout depends on the rows packed for: packed for one, even one row ran slower (bench/RESULTS.md)
     packed = packed_copy(weight, lambda w: torch.ops.mkldnn._reorder_linear_weight(w, DECODE_ROWS))
     y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # (M, out)
     return y.view(*x.shape[:-1], weight.size(0))
@@ -156,11 +144,10 @@ def shifted_int8_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 
 def onednn_int8_linear(x, weight, bias):
-    """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (a W8A8Linear's, quantize_rows) and
-    int8 weights packed once: the integer sums, exact in int32, as float32 (+ bias). oneDNN takes unsigned rows: each
-    int8 row is shifted by 128 (its sign bit flipped; compiled, in the loop that quantizes the rows) and oneDNN
-    subtracts that zero point again (signed rows run a slow reference loop). It needs VNNI: without it (AVX2, or
-    AVX-512 before VNNI) oneDNN's pair sums saturate in int16, and the check in usable_kernels drops it."""
+    """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (W8A8Linear's) and int8 weights packed
+    once: the integer sums, exact in int32, as float32 (+ bias). The rows are shifted by 128 (the sign bit flipped;
+    compiled, in the loop that quantizes them) and oneDNN subtracts that zero point again: signed rows run a slow
+    reference loop. Without VNNI its pair sums saturate in int16, and usable_kernels drops it."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("oneDNN's int8 product takes int8 rows and int8 weights only")
     return shifted_int8_product(x.view(torch.uint8) ^ 128, weight, bias)
@@ -168,9 +155,8 @@ def onednn_int8_linear(x, weight, bias):
 
 @opaque_when_compiled("int8pack_linear")
 def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """torch's own weight-only int8 product (aten._weight_int8pack_mm, gpt-fast's on a CPU) for int8 weights (out,
-    in); its scales are ones here, the layer scales the rows after. torch 2.13 vectorizes it for bfloat16 rows only
-    (dot products of bf16 pairs): with float32 rows it is slow, and the measurement drops it there."""
+    """torch's weight-only int8 product (aten._weight_int8pack_mm, gpt-fast's on a CPU) with scales of ones: the layer
+    applies its own after. torch 2.13 vectorizes it for bfloat16 rows only; with float32 ones, measuring drops it."""
     if weight.dtype != torch.int8:
         raise RuntimeError("int8pack takes int8 weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
@@ -181,9 +167,8 @@ def int8pack_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 
 
 def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """torch's int8 x int8 product (torch._int_mm, oneDNN's on x86) for int8 rows and int8 weights as stored: the
-    integer sums as float32 (+ bias). Less fixed cost a call than oneDNN's packed int8 product, so it can win at
-    one row where that one wins at several. Like that one it needs VNNI."""
+    """torch._int_mm (oneDNN's on x86) for int8 rows and weights as stored, as float32 (+ bias): less fixed cost a
+    call than onednn_int8_linear, so it can win at one row where that one wins at several. It too needs VNNI."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("torch._int_mm takes int8 rows and int8 weights only")
     rows = x.reshape(-1, x.size(-1))  # (M, in)
@@ -212,21 +197,19 @@ def say_once(note):
 
 
 def cache_dir():
-    """The folder kept between runs for kernel choices and compiled code: $GPT_CACHE_DIR, else ~/.cache/gpt."""
+    """The folder kept between runs for kernel choices and compiled code."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get(CACHE_ENV) or os.path.join(base, "gpt")
 
 
 def this_machine():
-    """What a remembered choice holds only for: the CPU (model and instruction-set flags), torch, threads, and the
-    candidates it was chosen among (a kernel added to KERNELS is measured, not passed over)."""
+    """What a remembered choice holds only for, the candidates included (a kernel added to KERNELS gets measured)."""
     return {"cpu": cpu_name(), "cpu_flags": hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:12],
             "torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": list(KERNELS)}
 
 
 def read_choices(path):
-    """The choices remembered in path, if they were measured on this machine; else (none kept, another machine or
-    torch, an unreadable file) an empty dict."""
+    """The choices remembered in path if measured on this machine, else {} (also for a missing or unreadable file)."""
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -238,8 +221,7 @@ def read_choices(path):
 
 
 def remember(key, name):
-    """Add one choice to kernels.json (atomically); a folder that cannot be written costs only a note: the choice
-    is measured again in the next run."""
+    """Add one choice to kernels.json (atomically); an unwritable folder costs a note, and a measurement each run."""
     path = os.path.join(cache_dir(), "kernels.json")
     try:
         os.makedirs(cache_dir(), exist_ok=True)
@@ -252,8 +234,7 @@ def remember(key, name):
 
 
 def row_dtype(layer):
-    """The dtype of the rows a kernel multiplies by the layer's weight: an int8 layer's own row_dtype (quantize.py),
-    else the weight's."""
+    """The dtype of the rows a kernel multiplies by the layer's weight: an int8 layer's row_dtype, else the weight's."""
     return getattr(layer, "row_dtype", layer.weight.dtype)
 
 
@@ -265,8 +246,8 @@ def random_rows(layer, rows):
 
 
 def usable_kernels(layer, rows, compiled):
-    """The names of the candidates that run here on a layer's weights (its first 64 rows: a check, not a timing)
-    and give F.linear's result within float rounding (int8 rows: their exact integer sums)."""
+    """The candidates that run here on a layer's weights (its first 64 rows: a check, not a timing) and give
+    F.linear's result within float rounding (int8 rows: their exact integer sums)."""
     x, weight = random_rows(layer, rows), layer.weight[:64]
     expected = F.linear(x.double(), weight.double())
     tolerance = 2e-2 if x.dtype in (torch.bfloat16, torch.float16) else 1e-4  # relative to the largest output
@@ -289,14 +270,12 @@ def run_layers(kernel, layers, inputs):
 
 
 def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
-    """The name of the fastest of the candidates (names) over all layers at rows rows: each runs every layer once
-    per repeat, compiled if the step will be (inductor writes some products, e.g. torch.mv, as loops of its own,
-    faster than the library's eager; compiling takes a few seconds, once per machine)."""
+    """The fastest candidate over all layers at rows rows, each run compiled if the step will be (inductor writes
+    some products, e.g. torch.mv, as loops of its own, faster than the library's eager)."""
     inputs = [random_rows(layer, rows) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
-    # each candidate compiled on its own (isolate_recompiles): dynamo keeps at most 8 graphs of one function per
-    # region and runs the rest eager, which would time a kernel meant to run compiled as eager
+    # isolate_recompiles: dynamo keeps at most 8 graphs of one function and runs the rest eager, timing them wrong
     runs = {name: functools.partial(torch.compile(run_layers, dynamic=False, isolate_recompiles=True) if compiled
                                     else run_layers, KERNELS[name], layers, inputs) for name in candidates}
     best = {}
@@ -329,8 +308,7 @@ def choice_key(layers, rows, compiled):
 
 
 def fastest_kernel(layers, rows, compiled):
-    """The name of the kernel for these layers (a model's linears) at rows rows, eager or compiled: remembered, else
-    measured."""
+    """The kernel for these layers (a model's linears) at rows rows, eager or compiled: remembered, else measured."""
     key = choice_key(layers, rows, compiled)
     if key not in choices:
         remembered = read_choices(os.path.join(cache_dir(), "kernels.json")).get(key)
@@ -346,11 +324,9 @@ def fastest_kernel(layers, rows, compiled):
 
 
 class DecodeLinear(nn.Module):
-    """A linear layer (nn.Linear, or quantize.py's int8 ones) as decode_linears swaps it in: decode-sized inputs run
-    the kernel chosen (chosen: rows -> kernel name) for their row count, else for the most rows chosen; a prefill
-    (more rows than were measured) or an eager step of a compiled-only kernel runs the layer's own forward. It holds
-    the layer's own tensors under their names and its forward hooks, so the model's state_dict is unchanged, and
-    print(model) shows it."""
+    """A linear layer as decode_linears swaps it in: decode-sized inputs run the kernel chosen (rows -> name) for
+    their row count, else for the most rows chosen; a prefill or an eager step of a compiled-only kernel runs the
+    layer's own forward. It holds the layer's tensors under their names, and its hooks: state_dict is unchanged."""
 
     def __init__(self, layer, chosen):
         super().__init__()
@@ -378,17 +354,14 @@ class DecodeLinear(nn.Module):
 
 
 def is_decode_linear(module):
-    """A linear layer on the CPU: an nn.Linear or an int8 one (quantize.py: it has `through`), each with .weight (out,
-    in)."""
+    """A linear layer on the CPU: an nn.Linear or an int8 one (quantize.py: it has `through`)."""
     return (isinstance(module, nn.Linear) or hasattr(module, "through")) and module.weight.device.type == "cpu"
 
 
 @contextlib.contextmanager
 def decode_linears(model, rows, compiled=False):
-    """While in the block, every linear layer of a CPU model is a DecodeLinear (swapped in, then back), which multiplies
-    decode-sized inputs (up to DECODE_ROWS rows) with the kernel chosen for the model's linears at `rows` rows,
-    compiled or not; rows may list several counts (a speculative step's check and its one-token steps: (draft_k + 1,
-    1)), each with its own kernel. Where torch's own is chosen everywhere, or off a CPU, nothing changes."""
+    """In the block, the model's CPU linear layers are DecodeLinears running the kernel chosen at `rows` rows, or at
+    each of several (a speculative check and its one-token steps); where torch's own is chosen everywhere, none is."""
     linears = [m for m in model.modules() if is_decode_linear(m)]
     counts = {min(n, DECODE_ROWS) for n in ((rows,) if isinstance(rows, int) else rows)}
     chosen = {n: fastest_kernel(linears, n, compiled) for n in sorted(counts)} if linears else {}
@@ -412,9 +385,8 @@ def chosen_note():
 
 
 def use_compile_cache():
-    """Point torch.compile's on-disk caches (inductor's compiled kernels and graphs) at cache_dir(), unless the user
-    chose a folder: kept there, a second run of the same compiled step loads them instead of compiling again.
-    (Importing inductor sets TORCHINDUCTOR_CACHE_DIR to its default, a temporary folder: that is no choice.)"""
+    """Point inductor's on-disk caches at cache_dir(), so a second run loads the compiled step, unless the user chose a
+    folder (importing inductor sets TORCHINDUCTOR_CACHE_DIR to its temporary default: no choice)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no more of inductor than this
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):

@@ -1,20 +1,16 @@
 """
 How many CPU threads a run should use on a machine shared with other work.
 
-torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores keep
-every core's threads spinning against each other, several times slower than each taking its share of the cores
-(bench/bench_busy.py measures it; bench/RESULTS.md). A run that
-takes only the cores other processes leave free runs at the speed of that share. So a training run looks at how
-busy the machine is before it starts and again at every log, takes the cores left free, and says once, in one
-line, that the machine is busy and what to do.
+torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores spin against
+each other, far slower than each taking only the cores the other leaves free (bench/RESULTS.md). So a training run
+looks at how busy the machine is before it starts and at every log, takes the cores left free, and says so once.
 
     cpu = SharedCpu(requested=0)   # 0: decide from the cores actually free; N: exactly N threads
     note = cpu.check()             # at every log: the line to print the first time the machine is busy
 
-Every command that computes on the CPU shares it the same way (sample.py, eval.py, attention.py: shared_cpu()):
+Commands that compute on the CPU (sample.py, eval.py, attention.py) share it the same way:
 
-    cpu = shared_cpu(device)       # before loading the model: the look at the machine starts
-    ...                            # load the model meanwhile (this process's own CPU time is taken out)
+    cpu = shared_cpu(device)       # before loading the model, which overlaps the look at the machine
     note = cpu and cpu.check()     # after: torch's threads set; the line to print (stderr), or None
 """
 
@@ -24,8 +20,7 @@ import time
 import torch
 
 LOOK_SECONDS = 0.25  # the shortest look at the machine before a run starts (the counters tick 100 times a second)
-COMMAND_LOOK_SECONDS = 0.1  # a command's (shared_cpu): overlapped with loading its model, which is often shorter;
-# beside a steady load, a 0.1 s look reads within a fraction of BUSY_CORES of a 0.25 s one (bench/bench_busy.py)
+COMMAND_LOOK_SECONDS = 0.1  # a command's, overlapped with loading its model; as good as 0.25 s (bench/bench_busy.py)
 CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
@@ -64,8 +59,7 @@ def cpu_counters():
 
 
 def busy_cores(before, after, cores):
-    """How many cores other processes kept busy between two cpu_counters() readings (this process's own time
-    taken out); None without counters."""
+    """Cores other processes kept busy between two cpu_counters() readings (this process's taken out), or None."""
     if before is None or after is None or after[0] <= before[0]:
         return None
     busy = (after[0] - before[0]) - (after[1] - before[1]) - (after[2] - before[2])
@@ -73,20 +67,16 @@ def busy_cores(before, after, cores):
 
 
 def threads_for(busy, most, cores):
-    """The threads a run takes when other processes keep `busy` cores busy: the cores they leave free, at least 1,
-    at most `most` (torch's own count: one per core, or OMP_NUM_THREADS)."""
+    """The threads to take while others keep `busy` cores busy: those left free, at least 1, at most `most`."""
     if busy is None or busy < BUSY_CORES:
         return most
     return max(1, min(most, round(cores - busy)))
 
 
 class SharedCpu:
-    """The run's CPU threads (torch.set_num_threads), chosen at the first check() and again at each later one from
-    how busy other processes keep the machine. requested > 0, or OMP_NUM_THREADS set: that many, never changed.
-
-    The look at the machine starts here and ends at the first check(), `look` seconds later at the earliest (it
-    waits for the rest): work this process does meanwhile, such as loading the model, overlaps it, its own CPU time
-    taken out of the counters. choose: how the user picks a count instead, as the note says it."""
+    """The run's CPU threads, chosen at each check() from how busy other processes keep the machine; requested > 0, or
+    OMP_NUM_THREADS set: that many, never changed. The first look runs from here to the first check(), `look` seconds
+    at least, so work done meanwhile (loading the model) overlaps it. choose: how the note says to pick a count."""
 
     def __init__(self, requested=0, cores=None, counters=None, choose="pass --threads=N", look=LOOK_SECONDS):
         self.cores, self.counters, self.said = cores or os.cpu_count(), counters or cpu_counters, False
@@ -100,8 +90,7 @@ class SharedCpu:
         self.look_ends = time.monotonic() + look  # the first check reads no sooner
 
     def check(self):
-        """Take the cores left free since the last check; the one line to print the first time the machine is busy
-        (what is happening and what the user can do), else None."""
+        """Take the cores left free; the line to print the first time the machine is busy, else None."""
         if self.last is None:
             return None
         if self.look_ends is not None:  # the first look: `look` seconds at least, whatever ran meanwhile
@@ -124,12 +113,9 @@ class SharedCpu:
 
 
 def shared_cpu(device, threads=None):
-    """A command's SharedCpu where it computes on the CPU (device "cpu"; on another device only if threads asks for
-    a count), else None. Call it before loading the model, and check() once after: the look at the machine
-    (COMMAND_LOOK_SECONDS at least) overlaps the load, and check() sets torch's threads and returns the line to
-    print (stderr), or None.
-    threads: the command's --threads (0: the cores left free), or None where it has no such setting (its line
-    then says OMP_NUM_THREADS chooses)."""
+    """A command's SharedCpu where it computes on the CPU (on another device only if threads asks for a count), else
+    None; used as the module docstring shows. threads: the command's --threads (0: the cores left free), or None where
+    it has no such setting (the note then says OMP_NUM_THREADS chooses)."""
     if torch.device(device).type != "cpu" and not threads:
         return None
     return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N",

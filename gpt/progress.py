@@ -1,7 +1,4 @@
-"""
-What a training run prints and records while it runs (train.py): Log, the lines and metrics.jsonl records of each
-evaluation and each log_interval, and StepTimer, the run's clock and speed figures.
-"""
+"""What a training run prints and records: Log, its lines and metrics.jsonl records; StepTimer, its clock and speed."""
 
 import contextlib
 import sys
@@ -11,8 +8,8 @@ import torch
 
 
 class Log:
-    """What rank 0 prints and records in metrics.jsonl: each evaluation, and every log_interval steps the loss,
-    learning rate and speed. On a terminal the figures go to a progress bar instead of a line each."""
+    """What rank 0 prints and records: each evaluation, and every log_interval steps the loss, learning rate and speed
+    (on a terminal, in a progress bar instead of a line each)."""
 
     def __init__(self, settings, master, iter_num, mfu):
         self.master, self.mfu, self.logged_iter, self.bar = master, mfu, iter_num, None
@@ -75,9 +72,8 @@ def log_line(record):
 
 
 class StepTimer:
-    """The run's wall-clock time (summed over resumes) and each log's speed: ms/iter over the steps since the last
-    log, leaving out evaluation, checkpoint writes and the first step, which compiles and warms up: that one is timed
-    alone and logged once, with the graphs torch.compile made for it (none: it ran eagerly after all)."""
+    """The run's wall-clock time (summed over resumes) and each log's ms/iter, without evaluation, checkpoint writes or
+    the first step (it compiles and warms up): that is timed alone and logged once, with the graphs it compiled."""
 
     def __init__(self, device_type, compiled, tokens_per_iter, elapsed_before):
         self.device_type, self.compiled, self.tokens_per_iter = device_type, compiled, tokens_per_iter
@@ -110,8 +106,7 @@ class StepTimer:
             log.say(first_step_line(self.first_step_s, self.graphs))
 
     def figures(self):
-        """The speed figures of the steps since the last log (the first step's where it was one of them); a new
-        interval starts."""
+        """Speed figures since the last log (and the first step's, if it was among them); a new interval starts."""
         figures = {}
         if self.first_in_interval:
             figures["first_step_s"] = self.first_step_s

@@ -49,7 +49,7 @@ def check_quantize(scheme, device="cpu"):
         raise UserError(f"quantize must be one of {', '.join(SCHEMES)} (or None), got {scheme!r}")
     if scheme == "w8a8" and not device.startswith("cpu"):
         raise UserError(f"--quantize=w8a8 is a CPU mode (on {device} it would multiply a float32 copy of every "
-                            "weight each step); use --quantize=int8 there")
+                        "weight each step); use --quantize=int8 there")
 
 
 def quantize_rows(x):

@@ -1,8 +1,7 @@
 """
-The out_dir of a training run, as train.py's rank 0 holds it from start to end: a lock, so that one run at a time
-writes there; metrics.jsonl, every logged figure as one JSON line (also sent to wandb if asked); and ckpt.pt,
-written with Ctrl-C held off. A write that fails (a full disk, a quota) stops the run with a message naming the
-checkpoint that is still intact.
+The out_dir of a training run, as train.py's rank 0 holds it: a lock, so one run at a time writes there; metrics.jsonl
+(also sent to wandb if asked); ckpt.pt, written with Ctrl-C held off. A failed write (a full disk, a quota) stops the
+run with a message naming the checkpoint that is still intact.
 """
 
 import contextlib
@@ -32,19 +31,18 @@ class RunDir:
             self.lock = lock_folder(self.out_dir)  # before anything in out_dir is read or written
         except FolderInUse as e:
             raise UserError(f"{self.out_dir} is in use by another training run (process {e.pid}); let it finish "
-                             "or stop it, or use another --out_dir") from None
+                            "or stop it, or use another --out_dir") from None
         except OSError as e:
             raise UserError(f"cannot use out_dir {self.out_dir} ({write_failure(e)})") from None
         if settings["init_from"] != "resume" and os.path.exists(self.ckpt_path) and not settings["overwrite"]:
             self.close()
             raise UserError(f"{self.ckpt_path} holds an earlier run, which a run from {settings['init_from']} would "
-                             "replace; continue it with --init_from=resume, train into another --out_dir, or replace "
-                             "it with --overwrite")
+                            "replace; continue it with --init_from=resume, train into another --out_dir, or replace "
+                            "it with --overwrite")
 
     def start(self, settings, resumed_iter):
         """A resumed run continues the log from its checkpoint (of iteration resumed_iter); any other starts afresh,
-        removing what an earlier run left (a checkpoint only with overwrite=True: the constructor refused it
-        otherwise)."""
+        removing what an earlier run left (the constructor refused a checkpoint there unless overwrite=True)."""
         wandb = import_wandb() if settings["wandb_log"] else None  # before anything is removed
         if resumed_iter is not None:
             self.saved_iter = resumed_iter
@@ -61,8 +59,7 @@ class RunDir:
                        dir=self.out_dir)
 
     def keep_records_until(self, start_iter):
-        """Records of iterations after the checkpoint were made by the run that was interrupted after it, and
-        this run makes them again. A torn last line (a crash or a full disk while it was written) is dropped."""
+        """Keep the records up to start_iter (this run makes the later ones again), dropping a torn last line."""
         if not os.path.exists(self.log_path):
             return
         try:
@@ -75,7 +72,7 @@ class RunDir:
         for lineno, record in records:
             if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
                 raise UserError(f"{self.log_path}, line {lineno}: not a metrics record (no iter); repair or delete "
-                                 "that line, then resume again")
+                                "that line, then resume again")
         try:
             with atomic_open(self.log_path, "w") as f:
                 f.writelines(json.dumps(record) + "\n" for _, record in records if record["iter"] <= start_iter)
@@ -120,7 +117,7 @@ def import_wandb():
         import wandb  # only needed when asked for
     except ImportError:
         raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
-                         "(or drop --wandb_log)") from None
+                        "(or drop --wandb_log)") from None
     return wandb
 
 
@@ -138,17 +135,16 @@ def signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-# Settings that may differ on a resume without changing the run, left out of its "settings changed" line:
-# init_from (resume, this time) and overwrite (about starting afresh) are about how the run starts; out_dir is where
-# the checkpoint lies now (a copied or moved run); threads fits the machine it runs on (gpt/machine.py).
+# Settings a resume may change without changing the run, left out of its "settings changed" line: init_from and
+# overwrite are about how it starts, out_dir is where the checkpoint lies now (a moved run), threads fits the machine.
 RESUME_NOISE = ("init_from", "overwrite", "out_dir", "threads")
 FROM_CHECKPOINT = set(GPTConfig.__dataclass_fields__) - {"block_size"}  # a resume takes the model's config from it
 
 
 def resume_report(checkpoint, settings, defaults, lr_multiplier):
-    """The lines rank 0 prints on resuming: the iteration, best val loss and save time of the checkpoint; then, if any
-    setting differs from the checkpoint's run, one line listing them, with the learning rate's jump where the
-    schedule (lr_multiplier) moved it. A setting the checkpoint predates counts as its default (what that code did)."""
+    """The lines rank 0 prints on resuming: the checkpoint's iteration, best val loss and save time, then one line of
+    the settings that differ from its run, if any, with the learning rate's jump where the schedule (lr_multiplier)
+    moved it. A setting the checkpoint predates counts as its default (what that code did)."""
     it, best = checkpoint["iter_num"], checkpoint["best_val_loss"]
     about = [f"best val loss {best:.4f}" if math.isfinite(best) else "no val loss yet"]
     if checkpoint.get("saved_at") is not None:  # checkpoints before it was saved have none

@@ -1,9 +1,8 @@
 """Token shards: the llm.c file format, dataset metadata, and the loader that train.py samples batches from.
 
-A shard is a 1024-byte header of 256 little-endian int32 (magic, version, token count, then zeros) followed
-by the tokens: uint16 for version 1 (llm.c's format, so its GPT-2 shards load unchanged) and uint32 for
-version 2 (vocabularies above 65,535). A dataset folder holds the shards of each split, found by the name
-pattern `*_<split>_*.bin`, and a meta.json describing the tokenizer. See data/README.md.
+A shard is a 1024-byte header of 256 little-endian int32 (magic, version, token count, then zeros), then the tokens:
+uint16 for version 1 (llm.c's, so its GPT-2 shards load unchanged), uint32 for version 2 (vocabularies above 65,535).
+Dataset folders (`*_<split>_*.bin` and meta.json) and the loader's order: data/README.md.
 """
 
 import contextlib
@@ -27,8 +26,7 @@ TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtyp
 
 @contextlib.contextmanager
 def dataset_file(path):
-    """atomic_open(path): a crash or a full disk never leaves a half-written file, and a failed write (disk
-    full, over quota) is a one-line UserError naming the file."""
+    """atomic_open(path), where a failed write (disk full, over quota) is a one-line UserError naming the file."""
     try:
         with atomic_open(path) as f:
             yield f
@@ -82,15 +80,13 @@ DATA_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 
 
 def prepare_script(name):
-    """The repository's data/<name>/prepare.py, or None where there is none."""
     path = os.path.join(DATA_ROOT, name, "prepare.py")
     return path if os.path.isfile(path) else None
 
 
 def prepare_command(data_dir):
-    """The command, run from the current directory, that writes the dataset folder data_dir (data/<name> as
-    train.py reads it), or None where the repository has no data/<name>/prepare.py. Each script writes into its own
-    folder by default: `python data/<name>/prepare.py` from the repository's root; from elsewhere, with --out_dir."""
+    """The command, run from the current directory, that writes the dataset folder data_dir, or None where there is no
+    data/<name>/prepare.py. A script writes into its own folder by default; any other folder needs --out_dir."""
     script = prepare_script(os.path.basename(os.path.normpath(data_dir)))
     if script is None:
         return None
@@ -106,9 +102,8 @@ def rerun(data_dir):
 
 
 def datasets_hint(data_dir):
-    """What to do about a dataset folder that does not exist and has no prepare script: which datasets there are
-    (the repository's data/<name>/ with a prepare.py), which are prepared next to data_dir already, and a command
-    for one: the closest name first, then shakespeare_char and shakespeare (no hours of downloading)."""
+    """For a missing dataset folder with no prepare script: the datasets there are, those prepared next to data_dir,
+    and a command for one: the closest name first, then shakespeare_char and shakespeare (no hours of downloading)."""
     names = sorted(n for n in os.listdir(DATA_ROOT) if prepare_script(n))
     if not names:
         return f"there is no prepare script under {DATA_ROOT}"
@@ -176,16 +171,11 @@ def find_shards(data_dir, split):
 
 
 class ShardLoader:
-    """Batches of token windows from the shards of one split, reproducible from (seed, position).
-
-    Each shard is cut into non-overlapping windows of block_size + 1 tokens, on a grid shifted by a random
-    offset each epoch, so a small corpus seen for many epochs is cut differently each time. Epoch e visits
-    the shards in an order shuffled by (seed, e), and the windows of a shard in an order shuffled by
-    (seed, e, shard). Rank r of W takes windows r, r + W, r + 2W, ... of that order, so ranks never share a
-    window, and every rank takes the same number from each shard (the < W left over are skipped), so all
-    ranks move in lockstep and one position (epoch, shard, window) is the state of all of them. All ranks
-    must use the same seed. Memory: the memory maps and one shard's window permutation, whatever the corpus size.
-    """
+    """Batches of block_size + 1 token windows from the shards of one split, reproducible from (seed, position), in the
+    order data/README.md describes. Rank r of W takes windows r, r + W, ... of it: ranks never share one, and each takes
+    the same number per shard (the < W left over are skipped), so all move in lockstep and one position (epoch, shard,
+    window) is the state of all. All ranks must use the same seed. Memory: the memory maps and one shard's window
+    permutation, whatever the corpus size."""
 
     def __init__(self, data_dir, split, batch_size, block_size, seed=0, rank=0, world_size=1, device="cpu"):
         self.paths = find_shards(data_dir, split)
@@ -204,13 +194,12 @@ class ShardLoader:
         self._order_key, self._order = None, None
 
     def state_dict(self):
-        """The position of the next window: epoch, index into that epoch's shard order, window within the shard
-        (of each rank's share of it, of world_size ranks)."""
+        """The next window's position: epoch, index into its shard order, window in this rank's share of the shard."""
         return {"epoch": self.epoch, "shard": self.shard, "window": self.window, "world_size": self.world_size}
 
     def load_state_dict(self, state):
-        """Resume at a saved position, also with another number of ranks: the windows all ranks took together
-        are the same, so the next global batch is (up to the < W windows skipped at a shard's end)."""
+        """Resume at a saved position, also on another number of ranks: the windows all ranks took together are the
+        same, so the next global batch is too (up to the < W windows skipped at a shard's end)."""
         epoch, shard, window = int(state["epoch"]), int(state["shard"]), int(state["window"])
         window = window * int(state.get("world_size", self.world_size)) // self.world_size  # older: same ranks
         if not 0 <= shard < len(self.shards) or window < 0:
@@ -219,8 +208,7 @@ class ShardLoader:
         self.epoch, self.shard, self.window = epoch, shard, window
 
     def _windows_in(self, n_tokens):
-        """Windows per epoch in a shard: all that fit, less one when there are several, which leaves room
-        to shift the grid by up to a window."""
+        """Windows per epoch in a shard: all that fit, less one when there are several (room to shift the grid)."""
         n_windows = n_tokens // self.window_len
         return n_windows - 1 if n_windows >= 2 else n_windows
 

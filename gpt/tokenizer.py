@@ -1,13 +1,11 @@
 """
-Text to token ids and back: one Tokenizer for every vocabulary this repo meets, described by a meta dict
-(what data/<dataset>/meta.json and checkpoints hold):
+Text to token ids and back: one Tokenizer for every vocabulary this repo meets, described by a meta dict (what
+data/<dataset>/meta.json and checkpoints hold), each with vocab_size and eot_token (end of text, None for characters):
 
 - {"tokenizer": "char", "chars": [...]}: one token per character (Tiny Shakespeare by character);
-- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken, from the files that ship in gpt/tokenizer_files/gpt2/
-  (no network needed);
-- {"tokenizer": "bpe", "path": ".../tokenizer.json"}: another byte-level BPE from a Hugging Face folder
-  (Llama 3, Qwen), read through tiktoken when tiktoken reproduces it exactly, refused otherwise.
-Each also has vocab_size and eot_token (end of text, None for characters).
+- {"tokenizer": "gpt2"}: GPT-2's byte-level BPE, through tiktoken, from the files in gpt/tokenizer_files/gpt2/;
+- {"tokenizer": "bpe", "path": ".../tokenizer.json"}: another byte-level BPE from a Hugging Face folder (Llama 3,
+  Qwen), read through tiktoken where tiktoken reproduces it exactly, refused otherwise.
 """
 
 import codecs
@@ -19,8 +17,7 @@ import unicodedata
 from gpt import UserError
 
 GPT2_META = {"tokenizer": "gpt2", "vocab_size": 50257, "eot_token": 50256}
-# GPT-2's vocab.bpe and encoder.json as tiktoken downloads them for "gpt2", byte for byte (OpenAI's Modified MIT
-# License, with them)
+# GPT-2's vocab.bpe and encoder.json as tiktoken downloads them, byte for byte (with OpenAI's Modified MIT License)
 GPT2_FILES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenizer_files", "gpt2")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -63,8 +60,8 @@ class Tokenizer:
         return self.enc.decode(ids)
 
     def byte_lengths(self):
-        """The UTF-8 length in bytes of each token id's text (special tokens such as end-of-text: 0), the unit
-        of bits per byte, which compares models whatever their tokenizer."""
+        """The UTF-8 length of each token id's text (special tokens: 0), for bits per byte, which compares models
+        whatever their tokenizer."""
         if self.meta["tokenizer"] == "char":
             return [len(c.encode()) for c in self.chars]
         special = set(self.enc._special_tokens.values())
@@ -77,8 +74,8 @@ class Tokenizer:
         return lengths
 
     def decoder(self):
-        """A function from one token to its text, for streaming. BPE tokens are bytes, and a character may
-        be split across tokens: the incremental UTF-8 decoder holds such a part back until it is whole."""
+        """A function from one token to its text, for streaming: a character split across BPE tokens (bytes) is held
+        back until it is whole."""
         if self.meta["tokenizer"] == "char":
             return self.chars.__getitem__
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -86,16 +83,13 @@ class Tokenizer:
 
 
 def named_encoding(name):
-    """tiktoken's encoding `name` ("gpt2", ...). GPT-2's is built from the files in gpt/tokenizer_files/gpt2/, with no
-    network and no cache; tiktoken's own loading (download on first use, then its cache) is for other names, and
-    for GPT-2's only if that folder is missing. Offline with no cached copy that fails, and the error says where
-    tiktoken looks for a local copy."""
+    """tiktoken's encoding `name`: GPT-2's from the shipped files (no network, no cache); others, and GPT-2's if those
+    are missing, through tiktoken's download and cache (offline with no cached copy, the error says where it looks)."""
     import tiktoken
 
     if name == "gpt2" and os.path.isdir(GPT2_FILES):
-        # Before tiktoken's download, not after: offline, tiktoken's download (requests, no timeout) fails in 0.15 s
-        # when DNS fails at once, in 10 s per process when the DNS server does not answer, and never when a
-        # firewall or proxy accepts the connection and says nothing. The files are the same bytes either way.
+        # before trying tiktoken's download, not after: offline it (requests, no timeout) can be slow to fail, or hang
+        # where a firewall accepts the connection and says nothing
         return shipped_gpt2()
     try:
         return tiktoken.get_encoding(name)
@@ -108,10 +102,9 @@ def named_encoding(name):
 
 @functools.cache
 def shipped_gpt2():
-    """The Encoding tiktoken.get_encoding("gpt2") returns (tiktoken_ext.openai_public.gpt2), built from the shipped
-    vocab.bpe and encoder.json as tiktoken.load.data_gym_to_mergeable_bpe_ranks builds it: the 256 bytes, then one
-    token per merge in vocab.bpe's order, checked against encoder.json's ids. Not through that function itself:
-    it would copy both files into tiktoken's cache folder, and fail where that folder is read-only."""
+    """tiktoken.get_encoding("gpt2")'s Encoding, built from the shipped files as tiktoken's
+    data_gym_to_mergeable_bpe_ranks builds it (the 256 bytes, then a token per merge, checked against encoder.json's
+    ids), not by calling it: it would copy both files into tiktoken's cache folder, and fail where that is read-only."""
     import tiktoken
     from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
@@ -151,8 +144,8 @@ def byte_to_unicode():
 
 
 def tiktoken_encoding(path):
-    """A tiktoken Encoding equal to the byte-level BPE in tokenizer.json (GPT-2, Llama 3 and Qwen ones).
-    tiktoken merges the pair whose result has the lowest id, so ids must follow the merge order; checked."""
+    """A tiktoken Encoding equal to tokenizer.json's byte-level BPE. tiktoken merges the pair whose result has the
+    lowest id, so ids must follow the merge order; checked."""
     import tiktoken
 
     with open(path, encoding="utf-8") as f:
@@ -163,8 +156,7 @@ def tiktoken_encoding(path):
     splits = [step for step in steps if step.get("type") == "Split"]
     byte_level = steps[-1] if kinds[-1:] == ["ByteLevel"] else {}
     regexes = [step.get("pattern", {}).get("Regex") for step in splits] + [GPT2_PATTERN] * byte_level.get("use_regex", True)
-    # Exactly one regex split (byte-level's own GPT-2 regex or a Split step, as in Llama 3 and Qwen), then
-    # bytes: what tiktoken does. Anything else (digit splitting, a prefix space, other normalizers) is not.
+    # what tiktoken does: one regex split (byte-level's GPT-2 one or a Split step), then bytes; no digit splitting etc.
     readable = (model.get("type") == "BPE" and byte_level and not byte_level.get("add_prefix_space")
                 and set(kinds) <= {"Split", "ByteLevel"} and len(regexes) == 1 and None not in regexes
                 and all(step.get("behavior") == "Isolated" and not step.get("invert") for step in splits)
@@ -193,9 +185,8 @@ def gpt2_ranks():
 
 
 def tokenizer_json_meta(path, eot_token=None):
-    """The meta dict of a tokenizer.json. GPT-2's BPE and one-token-per-character vocabularies get the meta
-    that data prepared here has; any other byte-level BPE that tiktoken reads exactly becomes
-    {"tokenizer": "bpe", "path": ...}; anything else is a UserError."""
+    """The meta dict of a tokenizer.json: GPT-2's BPE and character vocabularies get the meta that data prepared here
+    has, another byte-level BPE tiktoken reads exactly {"tokenizer": "bpe", "path": ...}, else a UserError."""
     with open(path, encoding="utf-8") as f:
         spec = json.load(f)
     model = spec.get("model") or {}
@@ -207,6 +198,6 @@ def tokenizer_json_meta(path, eot_token=None):
     enc = tiktoken_encoding(path)  # fails here, with the reason, if tiktoken cannot read it
     nfc = (spec.get("normalizer") or {}).get("type") == "NFC"  # Qwen's: prompts are normalized first
     if not nfc and enc.n_vocab == 50257 and enc._pat_str == GPT2_PATTERN and enc._mergeable_ranks == gpt2_ranks():
-        return dict(GPT2_META)  # the meta that data prepared here has
+        return dict(GPT2_META)
     vocab_size = 1 + max([*vocab.values(), *(token["id"] for token in spec.get("added_tokens", []))])
     return dict(tokenizer="bpe", vocab_size=vocab_size, eot_token=eot_token, path=os.path.abspath(path), nfc=nfc)
