@@ -179,10 +179,7 @@ def check_comparable(settings):
         raise UserError(f"the groups train on different datasets ({listed}), whose val losses do not compare; "
                         "give every group the same --dataset")
     dataset = next(iter(datasets.values()))
-    try:
-        load_meta(os.path.join("data", dataset))
-    except UserError as e:
-        raise UserError(str(e)) from None
+    load_meta(os.path.join("data", dataset))  # the dataset is prepared, or a UserError says how to prepare it
 
 
 def code_version():

@@ -126,8 +126,7 @@ def run_tasks(settings, model, tokenizer):
         from gpt import harness  # lm-eval is optional: only tasks need it
     except ImportError:
         raise UserError(LM_EVAL_MISSING) from None
-    tasks = [t.strip() for t in settings["tasks"].split(",") if t.strip()]
-    results = harness.run_tasks(model, tokenizer, tasks, limit=settings["limit"], num_fewshot=settings["num_fewshot"],
+    results = harness.run_tasks(model, tokenizer, harness.task_names(settings["tasks"]), limit=settings["limit"], num_fewshot=settings["num_fewshot"],
                                 batch_size=settings["batch_size"], include_path=settings["include_path"] or None)
     print(make_table(results))
     return results
