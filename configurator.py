@@ -5,6 +5,7 @@ Settings from the command line, the nanoGPT way: `python train.py config/small.p
 
 The script owns the defaults; configure() returns a new dict with argv applied in order, so later arguments win.
 Anything wrong, an unknown key too (the closest known one suggested), is a UserError with a one-line message.
+`--help` (or `-h`) prints the settings with their defaults and comments instead (gpt/usage.py).
 
 - A positional argument is a config file, run as Python in a fresh namespace; its public names (no leading underscore,
   not modules, functions or classes) are settings. A missing one gets the closest config/*.py (from the cwd) suggested.
@@ -20,6 +21,7 @@ Anything wrong, an unknown key too (the closest known one suggested), is a UserE
 import ast
 import difflib
 import glob
+import sys
 import traceback
 import types
 
@@ -30,6 +32,10 @@ _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
 
 def configure(defaults: dict, argv: list[str]) -> dict:
     """Return a new dict: defaults, updated by the config files and --key=value overrides in argv, in order."""
+    if "--help" in argv or "-h" in argv:
+        from gpt.usage import usage
+        print(usage(defaults))
+        sys.exit(0)
     settings = dict(defaults)
     args = list(argv)  # consumed front to back; `--key value` takes the next one too
     while args:

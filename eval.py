@@ -45,8 +45,8 @@ DEFAULTS = dict(
     include_path="",  # a folder of lm-eval task YAML files (local tasks, or offline copies)
     out_json="",  # also write the results to this JSON file
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
-    dtype="auto",  # the matrix products' precision under autocast, weights staying float32 as in training's val
-    # loss: "auto" (bfloat16 on CUDA, float16 on cards before compute capability 8.0, else float32), or one of those
+    dtype="auto",  # the matrix products' precision under autocast, weights staying float32 as in training's val loss:
+                   # "auto" (bfloat16 on CUDA, float16 on cards before compute capability 8.0, else float32), or one
     quantize=None,  # "int8" or "w8a8": score the model as sample.py --quantize=... decodes (gpt/quantize.py)
 )
 LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"

@@ -14,6 +14,7 @@ others are printed when the batch is done; notes and the speed go to stderr.
 """
 
 import os
+import re
 import shlex
 import sys
 import time
@@ -38,7 +39,7 @@ DEFAULTS = dict(
     top_k=None,  # keep only the k most likely tokens
     top_p=None,  # keep only the most likely tokens whose probabilities add up to top_p
     seed=1337,
-    stop=None,  # a string, or a list of strings, that ends a sample (it is printed)
+    stop=None,  # a string, or a list of strings, that ends a sample (it is printed); \n, \t, \\ and \uXXXX decoded
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
     quantize=None,  # "int8": int8 weights, a scale per output channel (the draft's too); "w8a8": rows too (quantize.py)
@@ -50,6 +51,8 @@ DEFAULTS = dict(
 LOOKUP = "lookup"  # draft=lookup: the context is the draft (prompt lookup; no model)
 DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
 SEPARATOR = "\n" + "-" * 40 + "\n"
+ESCAPES = re.compile(r"\\(u[0-9a-fA-F]{4}|[nt\\])")  # in stop strings: --stop="\n\n" reaches us as backslash, n, ...
+ESCAPED = {"n": "\n", "t": "\t", "\\": "\\"}
 WARMUP_TOKENS = 8  # per sample: the speed line also gives tokens/s after these (prefill, compilation, CUDA graphs)
 
 
@@ -63,6 +66,12 @@ def read_prompt(prompt):
         except OSError as e:
             raise UserError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}") from None
     return prompt
+
+
+def unescape(text):
+    """text with the escapes a shell passes as written decoded (\\n, \\t, \\\\, \\uXXXX), the rest as it is: not Python's
+    unicode_escape, which would mangle non-ASCII text."""
+    return ESCAPES.sub(lambda m: ESCAPED.get(m.group(1)) or chr(int(m.group(1)[1:], 16)), text)
 
 
 def check_settings(settings):
@@ -83,7 +92,7 @@ def check_settings(settings):
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if not all(isinstance(s, str) and s for s in stops):
         raise UserError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return stops
+    return [unescape(s) for s in stops]
 
 
 def check_draft_exists(draft, dataset):
@@ -121,7 +130,8 @@ def main(argv):
     seconds = time.perf_counter() - start
     for text in samples.texts[1:]:
         print(SEPARATOR + prompt + text, end="")
-    print(flush=True)  # before the lines on stderr, which is not buffered
+    ends_line = (prompt + samples.texts[-1]).endswith("\n")  # e.g. after a stop string that ends with one
+    print("" if ends_line else "\n", end="", flush=True)  # before the lines on stderr, which is not buffered
     if kernels:
         print(kernels.chosen_note(), file=sys.stderr)
     print(speed_line(samples, seconds, settings["num_samples"], acceptance), file=sys.stderr)

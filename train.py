@@ -69,8 +69,8 @@ DEFAULTS = dict(
     # learning rate schedule: linear warmup, then cosine decay or warmup-stable-decay (wsd)
     lr_schedule="cosine",  # "cosine" or "wsd"
     max_iters=5000,
-    max_seconds=0.0,  # > 0: also stop after this many seconds (evaluation included, summed over resumes), the
-    # learning rate decaying on that clock: a budget of wall time, e.g. for compare.py --seconds (one process)
+    max_seconds=0.0,  # > 0: also stop after this many seconds (evaluation included, summed over resumes), the learning
+                      # rate decaying on that clock: a budget of wall time, e.g. for compare.py --seconds (one process)
     warmup_iters=100,
     lr_decay_iters=0,  # 0: max_iters
     min_lr=1e-4,
@@ -131,7 +131,8 @@ def train(settings, run_dir):
     check_vocab(data_dir, config.vocab_size)
     tasks = task_runner(settings, meta)
     backend = compile_backend(settings["compile"], device_type)
-    model = prepare_model(raw_model.to(device), settings, device, ptdtype, backend)  # what the step calls
+    model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], device, ptdtype,
+                          backend)  # what the step calls
     optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
                                  (settings["beta1"], settings["beta2"]), device_type)  # after FSDP's new parameters
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
@@ -146,7 +147,8 @@ def train(settings, run_dir):
         run_dir.start(settings, checkpoint and checkpoint["iter_num"])
     stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
-    log = Log(settings, master, iter_num, mfu_of(raw_model, settings, ptdtype, device_type, world_size, master))
+    mfu = mfu_of(raw_model, settings["peak_flops"], settings["block_size"], ptdtype, device_type, world_size, master)
+    log = Log(settings["max_iters"], master, iter_num, mfu)
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
             f"{world_size} process(es) on {device}, {ptdtype}")
     timer = StepTimer(device_type, backend is not None, tokens_per_iter, elapsed)
@@ -165,7 +167,8 @@ def train(settings, run_dir):
     train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
     while True:
         # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
-        signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num, settings, device)
+        signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num,
+                                                                     settings["log_interval"], device)
         out_of_time = 0 < settings["max_seconds"] <= timer.elapsed()
         stopping = signalled or out_of_time or iter_num >= settings["max_iters"]
         just_resumed = checkpoint is not None and iter_num == checkpoint["iter_num"]  # evaluated before it was saved
@@ -329,15 +332,15 @@ def compile_backend(compile, device_type):
     return "inductor" if compile and device_type == "cuda" else None
 
 
-def prepare_model(model, settings, device, ptdtype, backend):
+def prepare_model(model, activation_checkpointing, fsdp, device, ptdtype, backend):
     """The model as the training step calls it, in the order that works: activation checkpointing for each block;
     under FSDP each block is then compiled and the model sharded in place (the same module comes back); otherwise
     the whole model is compiled and, under torchrun (one process too), wrapped in DDP (gpt/parallel.py)."""
-    if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():
+    if activation_checkpointing or fsdp or dist.is_initialized():
         from gpt import parallel
-    if settings["activation_checkpointing"]:
+    if activation_checkpointing:
         parallel.checkpoint_blocks(model)
-    if settings["fsdp"]:
+    if fsdp:
         if backend:
             parallel.compile_blocks(model, backend)
         return parallel.shard(model, ptdtype)
@@ -398,26 +401,26 @@ def catch_stop_signals():
     return stop_signal
 
 
-def mfu_of(model, settings, ptdtype, device_type, world_size, master):
+def mfu_of(model, peak_flops, block_size, ptdtype, device_type, world_size, master):
     """A function from tokens/s to model FLOPs utilization, where the hardware's peak is known (gpt/mfu.py); else None."""
-    if not settings["peak_flops"] and device_type != "cuda":
+    if not peak_flops and device_type != "cuda":
         return None
     from gpt.mfu import device_peak_flops, mfu
 
-    peak = settings["peak_flops"] or device_peak_flops(ptdtype, master)
-    return peak and (lambda tokens_per_sec: mfu(model, tokens_per_sec, peak * world_size, settings["block_size"]))
+    peak = peak_flops or device_peak_flops(ptdtype, master)
+    return peak and (lambda tokens_per_sec: mfu(model, tokens_per_sec, peak * world_size, block_size))
 
 
 # ----------------------------------------------------------------------------------------------------
 # The loop's parts
 
 
-def should_stop(stop_signal, world_size, iter_num, settings, device):
+def should_stop(stop_signal, world_size, iter_num, log_interval, device):
     """Whether a signal asked to stop. Under DDP all processes must stop at the same iteration, so they
     agree through an all-reduce, done only at log iterations to spare a sync per step."""
     if world_size == 1:
         return bool(stop_signal)
-    if iter_num % settings["log_interval"] != 0:
+    if iter_num % log_interval != 0:
         return False
     flag = torch.tensor(float(bool(stop_signal)), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -11,12 +11,12 @@ class Log:
     """What rank 0 prints and records: each evaluation, and every log_interval steps the loss, learning rate and speed
     (on a terminal, in a progress bar instead of a line each)."""
 
-    def __init__(self, settings, master, iter_num, mfu):
+    def __init__(self, max_iters, master, iter_num, mfu):
         self.master, self.mfu, self.logged_iter, self.bar = master, mfu, iter_num, None
         if master and sys.stdout.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=settings["max_iters"], initial=iter_num, unit="it", dynamic_ncols=True)
+            self.bar = tqdm(total=max_iters, initial=iter_num, unit="it", dynamic_ncols=True)
 
     def say(self, text):
         if self.master and self.bar:

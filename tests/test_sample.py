@@ -565,6 +565,22 @@ def test_a_stop_string_ends_the_sample_right_after_it(ckpts, capsys):
     assert greedy(capsys, ckpts, PROMPT, n, f"--stop={stops}").out == PROMPT + full[:min(end, later)] + "\n"
 
 
+def test_stop_strings_decode_the_escapes_a_shell_passes_as_written():
+    assert sample.unescape(r"\n\n") == "\n\n"  # README's --stop="\n\n": the shell passes backslash, n, backslash, n
+    assert sample.unescape(r"a\tb\\n \u00e9") == "a\tb\\n \u00e9"
+    assert sample.unescape("na\u00efve \\x \\u12") == "na\u00efve \\x \\u12"  # other text, non-ASCII too, as it is
+
+
+def test_a_stop_string_written_with_escapes_ends_the_sample_and_no_line_end_is_added(ckpts, capsys):
+    n = 200
+    full = greedy(capsys, ckpts, PROMPT, n).out[len(PROMPT):]
+    line_end = full.index("\n", 5)  # the model writes lines: a stop that ends with a line end
+    stop = full[line_end - 2:line_end + 1]
+    escaped = "".join("\\n" if c == "\n" else f"\\u{ord(c):04x}" for c in stop)  # as a user types it: --stop='o,\n'
+    result = greedy(capsys, ckpts, PROMPT, n, f"--stop={escaped}")
+    assert result.out == PROMPT + full[:full.index(stop) + len(stop)]  # ends with the stop's line end, no other
+
+
 def test_a_stop_string_ends_each_of_several_samples(ckpts, capsys):
     result = run(capsys, f"--out_dir={ckpts['target']}", f"--prompt={PROMPT}", "--num_samples=4",
                  "--max_new_tokens=120", "--temperature=1.0", "--stop=e")

@@ -1,0 +1,51 @@
+"""--help on every command that takes settings: each setting with its default and the comment beside it in the
+script's DEFAULTS, read from the source, exit status 0, and nothing else done."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import attention
+import eval as eval_py
+import export
+import sample
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMANDS = {"train": train, "sample": sample, "eval": eval_py, "export": export, "attention": attention}
+
+
+def run_help(tmp_path, command, flag="--help"):
+    """The command run as a user runs it, from an empty folder (so that anything it wrote would show)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, f"{command}.py"), flag], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_every_setting_with_its_default_and_does_nothing_else(tmp_path, command):
+    result = run_help(tmp_path, command)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"usage: python {command}.py [config/file.py ...] [--setting=value ...]"
+    for key, value in COMMANDS[command].DEFAULTS.items():
+        assert any(line.startswith(f"  --{key}={value!r}") for line in lines), key
+    assert os.listdir(tmp_path) == []
+
+
+def test_dash_h_is_help_too(tmp_path):
+    assert run_help(tmp_path, "sample", "-h").stdout == run_help(tmp_path, "sample").stdout
+
+
+def test_help_shows_each_comment_beside_its_setting_and_the_groups(tmp_path):
+    out = run_help(tmp_path, "train").stdout
+    eval_interval = next(line for line in out.splitlines() if line.startswith("  --eval_interval="))
+    assert eval_interval.split(None, 1)[1] == "evaluate (and checkpoint) every this many iterations"
+    assert "\noutput and logging:\n  --out_dir='out'" in out and "\nsystem:\n  --device='auto'" in out
+    # a comment continued on a deeper-indented line belongs to the setting above it, not to a new group
+    max_seconds = out[out.index("  --max_seconds="):out.index("  --warmup_iters=")]
+    assert "the learning rate decaying on that clock" in " ".join(max_seconds.split())
+    assert "\nlearning rate decaying" not in out
+    # the model's settings come from GPTConfig through **MODEL_DEFAULTS, listed under that line's comment
+    assert "(every GPTConfig field (see model.py)" in out and "  --n_layer=6" in out
