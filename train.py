@@ -89,14 +89,11 @@ MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
 
 
 def main(argv):
-    settings = configure(DEFAULTS, argv)
-    init_from = settings["init_from"]
-    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
-        raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
+    settings = check_settings(configure(DEFAULTS, argv))
     run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None  # only rank 0 writes
     threads = torch.get_num_threads()  # train() may take fewer (gpt/machine.py); a caller's process gets it back
     try:
-        train(settings, run_dir)
+        stop_signal = train(settings, run_dir)
     finally:
         torch.set_num_threads(threads)
         if run_dir:
@@ -106,6 +103,7 @@ def main(argv):
     # waited for it (a deadlock, 3 runs in 90 of two processes on two busy cores; none in 180 this way).
     if dist.is_initialized():
         dist.destroy_process_group()
+    return stop_signal  # the signal that stopped the run, or None: it ran to the end
 
 
 def train(settings, run_dir):
@@ -125,7 +123,8 @@ def train(settings, run_dir):
         check_fsdp(settings["optimizer"], settings["dtype"], "RANK" in os.environ, ptdtype)  # one process works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (gpt/parallel.py)
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
-    checkpoint = resume_checkpoint(ckpt_path, world_size, device) if settings["init_from"] == "resume" else None
+    resuming = settings["init_from"] == "resume"
+    checkpoint = resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"]) if resuming else None
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
     check_vocab(data_dir, config.vocab_size)
@@ -159,10 +158,7 @@ def train(settings, run_dir):
                     meta=meta, iter_num=iter_num, best_val_loss=best_val_loss, elapsed=timer.elapsed(), loader=loader.state_dict(),
                     scaler=scaler.state_dict(), saved_at=time.time())  # wall-clock, for the resume line
 
-    def save(state):
-        if master:
-            run_dir.save(state)
-
+    save = run_dir.save if master else lambda state: None  # every rank gathers the state; rank 0 writes it
     # The loop: evaluate and checkpoint, stop, or take one optimizer step and log it
     train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
     while True:
@@ -185,8 +181,7 @@ def train(settings, run_dir):
         if stopping:
             if signalled:
                 save(checkpoint_now())
-                log.say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, "
-                        "continue with --init_from=resume")
+            log.say(last_line(signalled, iter_num, ckpt_path))
             break
 
         # The random state is a function of (seed, rank, iteration), so a resumed run draws the same dropout
@@ -207,10 +202,28 @@ def train(settings, run_dir):
     log.close()
     if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
+    return stop_signal[0] if signalled else None
 
 
 # ----------------------------------------------------------------------------------------------------
 # Setup
+
+
+def check_settings(settings):
+    """settings, once every value that would fail deep inside the run (in numpy, torch, a division) is known good."""
+    init_from = settings["init_from"]
+    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
+        raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}")
+    for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
+                "gradient_accumulation_steps"):
+        if settings[key] < 1:
+            raise UserError(f"{key} must be at least 1, got {settings[key]}")
+    if settings["learning_rate"] <= 0:
+        raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
+    for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
+        if settings[key] < 0:
+            raise UserError(f"{key} must be at least 0, got {settings[key]}")
+    return settings
 
 
 def setup_processes(device):
@@ -268,7 +281,7 @@ def micro_steps_per_process(settings, world_size):
                     f"{what_to_pass}{elsewhere}")
 
 
-def resume_checkpoint(path, world_size, device):
+def resume_checkpoint(path, world_size, device, max_iters):
     """out_dir/ckpt.pt, read by global rank 0 (the one that writes it) and sent to the others, so that nodes
     without a shared filesystem resume too."""
     if world_size == 1:
@@ -282,6 +295,9 @@ def resume_checkpoint(path, world_size, device):
                 load_checkpoint(path)  # raises rank 0's own reason (no checkpoint there, or unreadable)
             raise UserError(f"rank 0 could not read {path}; its error says why")
         checkpoint = load_checkpoint(path, data)
+    if checkpoint["iter_num"] >= max_iters:
+        raise UserError(f"{path} is at iteration {checkpoint['iter_num']} already, so max_iters={max_iters} leaves "
+                        f"nothing to train; pass a larger --max_iters to continue it")
     return checkpoint
 
 
@@ -386,6 +402,16 @@ def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
     if checkpoint.get("scaler"):  # {}: a run without a scaler
         scaler.load_state_dict(checkpoint["scaler"])
     return checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
+
+
+def last_line(signalled, iter_num, ckpt_path):
+    """What the run says last: where its checkpoint is, and what to do with it."""
+    if signalled:
+        return f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with --init_from=resume"
+    if not os.path.exists(ckpt_path):
+        return f"done at iter {iter_num}; no checkpoint was saved (val loss never improved on the resumed run's best)"
+    return (f"done at iter {iter_num}; checkpoint in {ckpt_path}, sample from it with: python sample.py "
+            f"--out_dir={os.path.dirname(ckpt_path)}")
 
 
 def catch_stop_signals():
@@ -535,6 +561,9 @@ def full_state(model, optimizers):
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
+        stopped_by = main(sys.argv[1:])
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's status for it
+        sys.exit(130)
+    sys.exit(128 + stopped_by if stopped_by else 0)  # the shell's convention: 130 after Ctrl-C, 143 after SIGTERM

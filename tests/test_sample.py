@@ -15,6 +15,7 @@ import os
 import re
 import runpy
 import shlex
+import signal
 import subprocess
 import sys
 from dataclasses import asdict
@@ -599,6 +600,20 @@ def test_a_stop_string_with_speculative_decoding(ckpts, capsys):
     end = full.find(stop) + len(stop)
     spec = greedy(capsys, ckpts, PROMPT, n, f"--stop={stop}", f"--draft={ckpts['draft']}", "--draft_k=6").out
     assert spec == PROMPT + full[:end] + "\n"
+
+
+def test_ctrl_c_while_decoding_exits_130_without_a_traceback(ckpts, on_device):
+    command = [sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={ckpts['target']}", "--prompt=ROMEO:",
+               "--max_new_tokens=1000000", "--compile=False", *on_device]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        assert proc.stdout.read(40)  # decoding has begun
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and b"Traceback" not in err, err.decode()
 
 
 def test_prompt_from_a_file_and_from_stdin(ckpts, capsys, monkeypatch, tmp_path):

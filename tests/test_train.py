@@ -105,14 +105,16 @@ def trained(workdir, tmp_path_factory):
 
 
 ERROR_RUNS = {"misspelled": ["--learnin_rate=1"], "no_data": TINY + ["--dataset=nope"]}
+BAD_VALUES = {"batch_size": "0", "eval_interval": "0", "log_interval": "0", "learning_rate": "-1", "max_iters": "0"}
+ERROR_RUNS.update({f"bad_{key}": TINY + [f"--{key}={value}"] for key, value in BAD_VALUES.items()})
 
 
 @pytest.fixture(scope="module")
 def error_runs(workdir, tmp_path_factory):
     """stderr and exit code of train.py for each of ERROR_RUNS, run side by side (each start costs seconds)."""
     out_dir = str(tmp_path_factory.mktemp("errors"))
-    procs = {name: subprocess.Popen([sys.executable, TRAIN, *args, f"--out_dir={out_dir}"], cwd=workdir, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    procs = {name: subprocess.Popen([sys.executable, TRAIN, *args, f"--out_dir={out_dir}/{name}"], cwd=workdir,
+                                    text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
              for name, args in ERROR_RUNS.items()}
     try:
@@ -128,6 +130,32 @@ def error_runs(workdir, tmp_path_factory):
 
 def test_misspelled_setting_is_a_one_line_error_suggesting_the_right_one(error_runs):
     assert_one_line_error(error_runs["misspelled"], "learning_rate")
+
+
+@pytest.mark.parametrize("key", BAD_VALUES)
+def test_a_value_that_cannot_run_is_a_one_line_error_naming_the_setting_and_nothing_is_written(error_runs, key):
+    """Before, numpy's or torch's traceback, a ZeroDivisionError, or (max_iters=0) a run that did nothing, exit 0."""
+    expected = "must be positive" if key == "learning_rate" else "must be at least 1"
+    assert_one_line_error(error_runs[f"bad_{key}"], f"{key} {expected}, got {BAD_VALUES[key]}")
+    assert not os.path.exists(error_runs[f"bad_{key}"].args[-1].split("=", 1)[1])  # no out_dir holding only a lock
+
+
+def test_a_resume_with_nothing_left_to_train_says_so_and_leaves_the_run_as_it_was(workdir, trained, tmp_path):
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(trained, out_dir)
+    before = file_bytes(os.path.join(out_dir, "ckpt.pt"))
+    with pytest.raises(UserError, match=r"ckpt.pt is at iteration 30 already, so max_iters=20 leaves nothing to "
+                                        r"train; pass a larger --max_iters to continue it"):
+        train_main(workdir, out_dir, "--init_from=resume", "--max_iters=20")
+    assert file_bytes(os.path.join(out_dir, "ckpt.pt")) == before
+
+
+def test_a_finished_run_says_last_where_its_checkpoint_is(workdir, tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (f"done at iter 2; checkpoint in {os.path.join(out_dir, 'ckpt.pt')}, sample from it with: "
+                    f"python sample.py --out_dir={out_dir}")
 
 
 def test_missing_dataset_lists_the_datasets_and_commands_that_work(error_runs, workdir, tmp_path):
@@ -356,7 +384,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_p
         proc.wait(timeout=60)
     with open(log_path) as f:
         output = f.read()
-    assert proc.returncode == 0 and "Traceback" not in output, output
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in output, output  # a stop, not an end
     match = re.search(r"stopped by signal at iter (\d+); checkpoint saved to (\S+),", output)
     assert match, output
     stopped_at = int(match.group(1))
