@@ -14,16 +14,18 @@ LayerNorm...) is refused there, and no folder is left behind. Weights are safete
 runs code, unlike a pickle.
 """
 
+import os
 import sys
 
 from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import load_model
-from gpt.hf import export_hf
+from gpt.hf import EXPORT_FILES, export_hf
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
     to="",  # the folder to write the Hugging Face model to
+    overwrite=False,  # replace an earlier export in that folder (else it is refused)
 )
 
 
@@ -31,6 +33,10 @@ def main(argv):
     settings = configure(DEFAULTS, argv)
     if not settings["to"]:
         raise UserError("say where to write the Hugging Face folder with --to, e.g. --to hf-small/")
+    earlier = sorted(set(os.listdir(settings["to"])) & EXPORT_FILES) if os.path.isdir(settings["to"]) else []
+    if earlier and not settings["overwrite"]:
+        raise UserError(f"{settings['to']} holds an export already ({', '.join(earlier)}); pass --overwrite=True to "
+                        "replace it, or choose another --to")
     model, meta = load_model(settings["out_dir"])
     config, checked = export_hf(model, meta, settings["to"])
     check = "same logits in transformers" if checked else "logits not compared: transformers is not installed"

@@ -315,7 +315,10 @@ def export_hf(model, meta, folder):
         checked = check_logits(model, tmp)
         os.makedirs(folder, exist_ok=True)
         written = os.listdir(tmp)
+        umask = os.umask(0o022)  # read back (os.umask sets it): the files get the mode any new file gets
+        os.umask(umask)
         for name in sorted(written, key=lambda name: name == "config.json"):  # config.json last: then complete
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)  # safetensors writes through a private (0600) file
             os.replace(os.path.join(tmp, name), os.path.join(folder, name))
         for name in EXPORT_FILES - set(written):  # an earlier export's file that this one has not (tokenizer)
             if os.path.exists(os.path.join(folder, name)):

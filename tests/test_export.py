@@ -489,6 +489,30 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path, device)
                       device=device) == from_checkpoint
 
 
+def test_export_script_refuses_an_earlier_export_without_overwrite_and_writes_files_as_any_other(char_ckpts,
+                                                                                               tmp_path):
+    folder = tmp_path / "hf"
+
+    def export(*extra):
+        return subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={char_ckpts['swiglu']}",
+                               f"--to={folder}", *extra], capture_output=True, text=True, timeout=120,
+                              preexec_fn=lambda: os.umask(0o022), env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    first = export()
+    if first.returncode and first.stderr.startswith("error: "):  # refused: the export step, or model.py itself?
+        skip_if_model_py_does_not_export(load_model(char_ckpts["swiglu"])[0])
+    assert first.returncode == 0, first.stderr
+    assert {name: oct(os.stat(folder / name).st_mode & 0o777) for name in os.listdir(folder)} == {
+        name: "0o644" for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")}
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    again = export()
+    assert again.returncode == 1 and again.stderr.strip() == (
+        f"error: {folder} holds an export already (config.json, model.safetensors, tokenizer.json, "
+        "tokenizer_config.json); pass --overwrite=True to replace it, or choose another --to")
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    assert export("--overwrite=True").returncode == 0
+
+
 def test_sample_errors_for_hf_folders(tmp_path, device):
     export_or_skip(our_model("llama_like"), None, str(tmp_path))
     with pytest.raises(UserError, match="no tokenizer.json"):
