@@ -28,6 +28,9 @@ import types
 from gpt import UserError
 
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
+# nanoGPT's names for what is called otherwise here: a nanoGPT user's habit gets the right hint, not the nearest spelling
+_NANOGPT_NAMES = {"start": "prompt", "decay_lr": "lr_schedule", "config/train_shakespeare_char.py": "config/small.py",
+                  "config/train_gpt2.py": "config/gpt2_124m.py", "config/finetune_shakespeare.py": "config/small.py"}
 
 
 def configure(defaults: dict, argv: list[str]) -> dict:
@@ -111,7 +114,8 @@ def _check_known(defaults, key, where):
 
 
 def _did_you_mean(word, options):
-    close = difflib.get_close_matches(word, list(options), n=1)
+    ours = _NANOGPT_NAMES.get(word.removeprefix("./"))
+    close = [ours] if ours in options else difflib.get_close_matches(word, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -93,6 +93,15 @@ def test_no_checkpoint_names_a_train_command_for_the_folder_asked_for(monkeypatc
         assert f"which writes {os.path.join(os.path.dirname(path), 'ckpt.pt')}" in message, message
 
 
+@pytest.mark.parametrize("folder, config", [("out-shakespeare-bpe", "config/shakespeare_bpe.py"),
+                                            ("out-draft", "config/small_draft.py"), ("out-small", "config/small.py"),
+                                            ("my-run", "config/small.py")])
+def test_no_checkpoint_names_the_config_that_trains_into_that_folder(monkeypatch, tmp_path, folder, config):
+    """A missing out-shakespeare-bpe is trained by config/shakespeare_bpe.py, not by the character model's config."""
+    message = script_error(monkeypatch, "sample.py", f"--out_dir={tmp_path / folder}", "--device=cpu")
+    assert hinted_train_command(message)[0] == config, message
+
+
 def test_the_named_train_command_trains_what_sample_py_then_loads(workdir, monkeypatch, tmp_path, capsys):  # noqa: F811
     """The command of the message above, run with tiny settings after it (its config file and --out_dir kept)."""
     import sample

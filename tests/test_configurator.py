@@ -221,3 +221,28 @@ def test_defaults_are_not_mutated(tmp_path):
     settings = configure(defaults, [path, "--compile=False", "--layers=[5]"])
     assert defaults == snapshot and defaults["layers"] == [1, 2]
     assert settings["batch_size"] == 99 and settings["layers"] == [5]
+
+
+# nanoGPT's names: its users' habits get the setting or config file that does that here, not the nearest spelling
+
+
+@pytest.mark.parametrize("argv, hint", [(["--start=ROMEO"], "did you mean 'prompt'?"),
+                                        (["--decay_lr=False"], "did you mean 'lr_schedule'?"),
+                                        (["config/train_shakespeare_char.py"], "did you mean 'config/small.py'?")])
+def test_nanogpts_names_get_ours_suggested(monkeypatch, argv, hint):
+    import os
+
+    import sample
+    import train
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where config/ is
+    defaults = sample.DEFAULTS if argv[0].startswith("--start") else train.DEFAULTS
+    with pytest.raises(UserError) as error:
+        configure(defaults, argv)
+    assert str(error.value).endswith(f"({hint})"), error.value
+
+
+def test_init_from_gpt2_says_what_hf_loads_instead():
+    import train
+    with pytest.raises(UserError, match=r"got 'gpt2'; GPT-2's own weights are another architecture .*hf: loads a "
+                                        r"Llama or Qwen3 folder"):
+        train.check_settings(dict(train.DEFAULTS, init_from="gpt2"))
