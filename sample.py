@@ -6,7 +6,7 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt "ROMEO:" --draft=out-draft      # speculative with a draft model (config/small_draft.py)
     python sample.py --prompt FILE:code.py --draft=lookup     # speculative, the context as the draft (prompt lookup)
     python sample.py --init_from=hf:hf-folder --prompt "Hi"   # a Hugging Face Llama/Qwen3 folder (export.py)
-    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: the fastest at batch 1
+    python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: fast per token once started
     python sample.py --prompt "ROMEO:" --quantize=w8a8 --num_samples=8   # the fastest batched (CPU)
 
 The decoding is engine.py's (speculative.py's with --draft): docs/sampling.md. The first sample is streamed, the
@@ -152,8 +152,8 @@ def load_models(source, settings, device, dtype):
                                and compiles_by_default(model))
         if settings["compile"]:
             from gpt.kernels import cache_dir
-            print(f"note: compiling the decode step, kept in {cache_dir()}: slow only in a machine's first run "
-                  f"(--compile=False skips it)", file=sys.stderr)
+            print(f"note: compiling the decode step (compiled code kept in {cache_dir()}; each run still takes "
+                  f"seconds to start, which a short run may not earn back: --compile=False skips it)", file=sys.stderr)
     draft = None
     if settings["draft"] and settings["draft"] != LOOKUP:
         check_draft_exists(settings["draft"], dataset)
