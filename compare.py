@@ -41,6 +41,7 @@ from gpt.shards import load_meta
 HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN = os.path.join(HERE, "train.py")
 CODE_FILES = ("model.py", "train.py")  # an edit to these makes runs of one group incomparable
+MIN_EVALS = 5  # points per val curve at the least, a budget of iterations or tokens given
 SET_BY_COMPARE = ("out_dir", "seed", "init_from", "overwrite", "max_iters", "max_seconds", "lr_decay_iters")
 FIRST_SEED = 1337  # train.py's default: a comparison's first seed is the run `python train.py <config>` makes
 NAME = re.compile(r"[A-Za-z_][\w.-]*")
@@ -164,11 +165,14 @@ def budget_iters(budget, settings, name):
     return iters
 
 
-def budget_args(budget, iters):
-    """train.py arguments that give a run the budget, with the learning-rate schedule fitted to it."""
+def budget_args(budget, iters, eval_interval):
+    """train.py arguments that give a run the budget, with the learning-rate schedule fitted to it, and evaluations
+    often enough that each val curve has MIN_EVALS points at least (a config's eval_interval may outlast a small
+    budget)."""
     if budget["kind"] == "seconds":  # the decay then runs on the clock (train.lr_multiplier)
         return [f"--max_seconds={budget['value']}", f"--max_iters={iters}", "--lr_decay_iters=0"]
-    return [f"--max_iters={iters}", f"--lr_decay_iters={iters}"]
+    evals = [f"--eval_interval={max(1, iters // MIN_EVALS)}"] if iters // eval_interval < MIN_EVALS else []
+    return [f"--max_iters={iters}", f"--lr_decay_iters={iters}", *evals]
 
 
 def check_comparable(settings):
@@ -345,7 +349,8 @@ def main(argv):
         raise UserError(f"--{kind} must be positive, got {value}")
     budget = dict(kind=kind, value=value)
     iters = {name: budget_iters(budget, settings[name], name) for name in groups}
-    full_args = {name: [*group_args, *budget_args(budget, iters[name])] for name, group_args in groups.items()}
+    full_args = {name: [*group_args, *budget_args(budget, iters[name], settings[name]["eval_interval"])]
+                 for name, group_args in groups.items()}
     seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
 
     out_dir = args.out_dir

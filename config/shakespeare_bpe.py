@@ -25,4 +25,3 @@ learning_rate = 2e-3
 min_lr = 1e-4
 warmup_iters = 50
 max_iters = 300
-lr_decay_iters = 300

@@ -28,4 +28,3 @@ learning_rate = 2e-3
 min_lr = 1e-4
 warmup_iters = 50
 max_iters = 1000
-lr_decay_iters = 1000

@@ -188,6 +188,15 @@ def test_a_budget_of_tokens_gives_each_group_its_iterations(in_workdir):
     assert result["results"]["differences"]["b8 - b4"]["verdict"].startswith("no verdict: one seed")
 
 
+def test_a_small_budget_evaluates_often_enough_to_draw_each_val_curve(in_workdir):
+    """TINY evaluates every 10 iterations: at 20 iterations a curve would have 3 points; compare.py asks for more."""
+    compare.main(comparison_args("evals", f"a={TINY}", seeds=1, iters=20))
+    evaluated = [r["iter"] for r in plot.read_metrics(os.path.join("evals", "a", "seed1337"))[1]]  # (train, val)
+    assert len(evaluated) >= compare.MIN_EVALS and evaluated[-1] == 20, evaluated
+    # a config that evaluates often enough keeps its own interval
+    assert compare.budget_args(dict(kind="iters", value=1000), 1000, 100) == ["--max_iters=1000", "--lr_decay_iters=1000"]
+
+
 def test_a_budget_of_seconds_stops_on_the_clock(in_workdir):
     result = compare.main(comparison_args("clock", f"base={TINY}", seeds=1)[:-3] +
                           ["--seconds=1.5", "--out_dir=clock", "--threads=1"])

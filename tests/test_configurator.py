@@ -246,3 +246,19 @@ def test_init_from_gpt2_says_what_hf_loads_instead():
     with pytest.raises(UserError, match=r"got 'gpt2'; GPT-2's own weights are another architecture .*hf: loads a "
                                         r"Llama or Qwen3 folder"):
         train.check_settings(dict(train.DEFAULTS, init_from="gpt2"))
+
+
+@pytest.mark.parametrize("config", ["config/small.py", "config/shakespeare_bpe.py", "config/small_draft.py",
+                                    "config/gpt2_124m.py"])
+def test_each_configs_schedule_follows_max_iters(monkeypatch, config):
+    """--max_iters=N on a config ends its learning-rate decay at N: a config that pinned lr_decay_iters left a shorter
+    run undecayed, and a longer one at min_lr for every iteration past the pin."""
+    import os
+
+    import train
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for max_iters in (800, 30000):  # past every warmup
+        settings = configure(train.DEFAULTS, [config, f"--max_iters={max_iters}"])
+        min_ratio = settings["min_lr"] / settings["learning_rate"]
+        assert train.lr_multiplier(max_iters - 1, settings) > min_ratio  # still decaying
+        assert train.lr_multiplier(max_iters, settings) == min_ratio
