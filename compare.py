@@ -386,5 +386,6 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except UserError as e:
         sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted: the run in progress saved a checkpoint; run the same command to continue")
+    except KeyboardInterrupt:  # the shell's status for Ctrl-C, as every command exits with
+        print("interrupted: the run in progress saved a checkpoint; run the same command to continue", file=sys.stderr)
+        sys.exit(130)

@@ -135,3 +135,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's status for it
+        sys.exit(130)

@@ -421,6 +421,9 @@ def catch_stop_signals():
     stop_signal = []
 
     def request_stop(signum, frame):
+        if not stop_signal:  # an evaluation may take a while before the loop sees it: say it was heard
+            print("stopping: a checkpoint is saved once the current step or evaluation ends (Ctrl-C again quits at "
+                  "once)", file=sys.stderr, flush=True)
         stop_signal.append(signum)
         signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
 

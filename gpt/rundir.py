@@ -25,7 +25,7 @@ class RunDir:
         self.ckpt_path = os.path.join(self.out_dir, "ckpt.pt")
         self.log_path = os.path.join(self.out_dir, "metrics.jsonl")
         self.saved_iter = None  # the iteration of the checkpoint on disk, once this run resumed or saved one
-        self.wandb = None
+        self.wandb, self.created = None, not os.path.isdir(self.out_dir)
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             self.lock = lock_folder(self.out_dir)  # before anything in out_dir is read or written
@@ -110,6 +110,10 @@ class RunDir:
         if self.wandb:
             self.wandb.finish()
         self.lock.close()  # releases the lock
+        if self.created and os.listdir(self.out_dir) == ["lock"]:  # a run that failed before writing anything
+            with contextlib.suppress(OSError):  # leaves no folder holding only its lock
+                os.remove(os.path.join(self.out_dir, "lock"))
+                os.rmdir(self.out_dir)
 
 
 def import_wandb():

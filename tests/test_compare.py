@@ -274,7 +274,7 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_finishes(workdir):
         time.sleep(0.1)
     os.killpg(process.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
     output = process.communicate(timeout=120)[0]
-    assert process.returncode == 1 and "interrupted: the run in progress saved a checkpoint" in output, output
+    assert process.returncode == 130 and "interrupted: the run in progress saved a checkpoint" in output, output
     assert "stopped by signal" in log.read_text()
     finish = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=300)
     assert finish.returncode == 0, finish.stdout + finish.stderr

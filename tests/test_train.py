@@ -158,6 +158,11 @@ def test_a_finished_run_says_last_where_its_checkpoint_is(workdir, tmp_path, cap
                     f"python sample.py --out_dir={out_dir}")
 
 
+def test_a_run_that_fails_before_writing_anything_leaves_no_out_dir(error_runs):
+    failed = error_runs["no_data"]
+    assert failed.returncode == 1 and not os.path.exists(failed.args[-1].split("=", 1)[1])
+
+
 def test_missing_dataset_lists_the_datasets_and_commands_that_work(error_runs, workdir, tmp_path):
     """--dataset=nope in workdir, which has data/shakespeare_char prepared: the message lists the repository's datasets
     (data/<name>/prepare.py), names one prepared here to pass, and the prepare command of another, which works."""
@@ -385,6 +390,7 @@ def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(workdir, tmp_p
     with open(log_path) as f:
         output = f.read()
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in output, output  # a stop, not an end
+    assert "stopping: a checkpoint is saved once the current step or evaluation ends" in output  # heard at once
     match = re.search(r"stopped by signal at iter (\d+); checkpoint saved to (\S+),", output)
     assert match, output
     stopped_at = int(match.group(1))
@@ -546,7 +552,7 @@ def test_a_second_run_on_the_same_out_dir_exits_at_once_and_the_first_is_untouch
         assert seconds < 30 and first.poll() is None  # it did not wait for the first; the first runs on
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=60)
-    assert first.returncode == 0, open(log_path).read()
+    assert first.returncode == 128 + signal.SIGTERM, open(log_path).read()  # stopped, with a checkpoint
     stopped_at = load_ckpt(out_dir)["iter_num"]
     metrics = os.path.join(out_dir, "metrics.jsonl")
     assert logged_iterations(metrics) == list(range(1, stopped_at + 1))  # one run's records, each once
