@@ -3,8 +3,8 @@
 #   python sample.py --out_dir=out-shakespeare-bpe --prompt "ROMEO:"
 # Measured on a 2-core x86-64 VM (CPU only, fp32, 2026-11-22): 300 iterations at ~0.9 s, val loss 5.23
 # after 5.5 minutes. The text is word salad with Shakespeare's names and layout: 300K tokens are too few to
-# learn a 50K-token vocabulary from scratch. For real quality, start from a pretrained model (issue: import
-# from the Hugging Face format) or use config/small.py's character-level model.
+# learn a 50K-token vocabulary from scratch. For real quality, fine-tune a pretrained Llama/Qwen3 with
+# --init_from=hf:folder (docs/interop.md), or use config/small.py's character-level model.
 out_dir = "out-shakespeare-bpe"
 dataset = "shakespeare"
 eval_interval = 100
