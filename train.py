@@ -155,8 +155,9 @@ def train(settings, run_dir):
     def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
         model_state, optimizer_states = full_state(raw_model, optimizers)
         return dict(model=model_state, optimizers=optimizer_states, model_config=asdict(config), settings=settings,
-                    meta=meta, iter_num=iter_num, best_val_loss=best_val_loss, elapsed=timer.elapsed(), loader=loader.state_dict(),
-                    scaler=scaler.state_dict(), saved_at=time.time())  # wall-clock, for the resume line
+                    meta=meta, iter_num=iter_num, best_val_loss=best_val_loss, elapsed=timer.elapsed(),
+                    loader=loader.state_dict(), scaler=scaler.state_dict(),
+                    saved_at=time.time())  # wall-clock, for the resume line
 
     save = run_dir.save if master else lambda state: None  # every rank gathers the state; rank 0 writes it
     # The loop: evaluate and checkpoint, stop, or take one optimizer step and log it
@@ -409,9 +410,11 @@ def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
 def last_line(signalled, iter_num, ckpt_path):
     """What the run says last: where its checkpoint is, and what to do with it."""
     if signalled:
-        return f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with --init_from=resume"
+        return (f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with "
+                "--init_from=resume")
     if not os.path.exists(ckpt_path):
-        return f"done at iter {iter_num}; no checkpoint was saved (val loss never improved on the resumed run's best)"
+        return (f"done at iter {iter_num}; no checkpoint was saved: val loss never improved, and "
+                "always_save_checkpoint=False")
     return (f"done at iter {iter_num}; checkpoint in {ckpt_path}, sample from it with: python sample.py "
             f"--out_dir={os.path.dirname(ckpt_path)}")
 
