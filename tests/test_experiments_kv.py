@@ -112,3 +112,12 @@ def test_kv_heads_runs_its_four_trainings_and_prints_the_table(workdir, tmp_path
     assert list(rows) == ["kv4", "kv2", "kv1", "kv4-seed2"]
     kv_bytes = {name: int(row[4].replace(",", "")) for name, row in rows.items()}
     assert kv_bytes["kv4"] == 2 * kv_bytes["kv2"] == 4 * kv_bytes["kv1"] == kv_bytes["kv4-seed2"]
+
+
+@pytest.mark.parametrize("script", ["kv_cache", "kv_heads", "position", "scaling"])
+def test_every_experiment_starts_as_a_script(script):
+    """`python experiments/NAME.py` as experiments/README.md runs it gets past its imports (kv_heads and kv_cache
+    once failed there, importing bench/ modules as top-level ones): --help exits 0 with its usage."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", f"{script}.py"), "--help"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith(f"usage: {script}.py"), result.stderr
