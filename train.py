@@ -7,10 +7,9 @@ Train a GPT on prepared token shards, on one CPU or GPU, or many through torchru
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True   # sharded (gpt/parallel.py)
     python train.py config/small.py --init_from=hf:hf-folder          # fine-tune a Llama/Qwen3 (gpt/hf.py)
 
-Settings are the DEFAULTS below, changed by config files and --key=value overrides (configurator.py). Every
-logged figure goes to out_dir/metrics.jsonl; checkpoints go to out_dir/ckpt.pt and resume exactly with
---init_from=resume. Ctrl-C (SIGINT) or SIGTERM saves a checkpoint and exits. Reading order: main() and train()
-first, then the functions train() calls, in the order it calls them.
+Settings: DEFAULTS below, then config files and --key=value (configurator.py; --help lists them). Figures go to
+out_dir/metrics.jsonl, checkpoints to out_dir/ckpt.pt, which --init_from=resume continues exactly; Ctrl-C or SIGTERM
+saves one and exits. Read main() and train() first, then what train() calls, in that order.
 """
 
 import contextlib
@@ -285,19 +284,13 @@ def micro_steps_per_process(settings, world_size):
 
 
 def resume_checkpoint(path, world_size, device, max_iters):
-    """out_dir/ckpt.pt, read by global rank 0 (the one that writes it) and sent to the others, so that nodes
-    without a shared filesystem resume too."""
+    """out_dir/ckpt.pt; under torchrun read by rank 0 and sent to the others (gpt/parallel.py)."""
     if world_size == 1:
         checkpoint = load_checkpoint(path)
     else:
-        from gpt.parallel import file_from_rank0
+        from gpt.parallel import checkpoint_from_rank0
 
-        data = file_from_rank0(path, device)
-        if data is None:
-            if dist.get_rank() == 0:
-                load_checkpoint(path)  # raises rank 0's own reason (no checkpoint there, or unreadable)
-            raise UserError(f"rank 0 could not read {path}; its error says why")
-        checkpoint = load_checkpoint(path, data)
+        checkpoint = checkpoint_from_rank0(path, device)
     if checkpoint["iter_num"] >= max_iters:
         raise UserError(f"{path} is at iteration {checkpoint['iter_num']} already, so max_iters={max_iters} leaves "
                         f"nothing to train; pass a larger --max_iters to continue it")

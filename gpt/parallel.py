@@ -66,6 +66,19 @@ def wrap_ddp(model, device):
     return DDP(model, device_ids=[int(device.split(":")[1])] if device.startswith("cuda") else None)
 
 
+def checkpoint_from_rank0(path, device):
+    """The checkpoint at path as global rank 0 reads it (the rank that writes it), on every rank: a resume on nodes
+    without a shared filesystem. Rank 0's own error where it cannot."""
+    from gpt.checkpoint import load_checkpoint
+
+    data = file_from_rank0(path, device)
+    if data is None:
+        if dist.get_rank() == 0:
+            load_checkpoint(path)  # raises rank 0's own reason (no checkpoint there, or unreadable)
+        raise UserError(f"rank 0 could not read {path}; its error says why")
+    return load_checkpoint(path, data)
+
+
 BROADCAST_CHUNK = 64 * 2**20  # bytes of a file sent at a time: a GPU holds this much of it, not all of it
 
 
