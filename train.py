@@ -362,16 +362,19 @@ def prepare_model(model, activation_checkpointing, fsdp, device, ptdtype, backen
 
 
 def make_optimizers(model, optimizer, weight_decay, betas, device_type):
-    """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the
-    matrices inside the blocks, which it orthogonalizes, and AdamW the embedding, head, norms and biases. The
-    learning rate is set before every step (optimizer_step)."""
+    """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
+    matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
+    not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
+    every step (optimizer_step)."""
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
+    embeddings = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in
+                  module.parameters()}
     hidden_matrices, other_matrices, vectors = [], [], []
     for name, param in model.named_parameters():
         if param.dim() < 2:
             vectors.append(param)
-        elif optimizer == "muon" and name.startswith("layers."):
+        elif optimizer == "muon" and name.startswith("layers.") and id(param) not in embeddings:
             hidden_matrices.append(param)
         else:
             other_matrices.append(param)

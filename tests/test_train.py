@@ -743,6 +743,15 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
         train.make_optimizers(model, "sgd", 0.1, (0.9, 0.95), "cpu")
 
 
+def test_muon_leaves_an_embedding_inside_a_block_to_adamw():
+    """An edit that puts an embedding in a block (value embeddings) keeps it out of Muon's orthogonalization."""
+    model, settings, names, _ = optimizer_setup("muon")
+    model.layers[0].value_embed = torch.nn.Embedding(128, 32)
+    adamw, muon = train.make_optimizers(model, "muon", 0.1, (0.9, 0.95), "cpu")
+    assert any(p is model.layers[0].value_embed.weight for g in adamw.param_groups for p in g["params"])
+    assert all(p is not model.layers[0].value_embed.weight for g in muon.param_groups for p in g["params"])
+
+
 # ----------------------------------------------------------------------------------------------------
 # MFU's peak
 
