@@ -118,7 +118,9 @@ def attention(q, k, v, positions, config, dropout_p=0.0):
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
-        return y.view(B, n_head, 1, head_dim)  # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not
+        # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not. A per-head term in the scores (a bias,
+        # ALiBi's slopes) must follow the regrouping: here query head h is row h % group of kv group h // group.
+        return y.view(B, n_head, 1, head_dim)
     gqa = n_head != n_kv_head
     if gqa and not sdpa.takes_gqa(q, masked=mask is not None):  # else SDPA's math kernel would hold every score
         group = n_head // n_kv_head
