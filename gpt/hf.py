@@ -11,7 +11,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 
@@ -116,8 +116,19 @@ def load_pretrained(folder, meta):
 # Writing: config.json, and the tensors a model of that config has
 
 
+# The GPTConfig fields hf_config maps (or checks): any other one, a field an edit of model.py added, is refused unless
+# at its default, since export cannot know what it changes (document masking, value embeddings...).
+EXPORT_KNOWS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "dropout", "bias",
+                "mlp", "mlp_hidden", "qk_norm", "rope_base", "norm_eps", "tie_embeddings", "window"}
+
+
 def hf_config(config, eot_token=None):
     """The config.json dict of the Hugging Face architecture that computes exactly what GPT(config) does."""
+    unknown = [f"{f.name}={getattr(config, f.name)!r}" for f in fields(config)
+               if f.name not in EXPORT_KNOWS and getattr(config, f.name) != f.default]
+    if unknown:
+        raise UserError(f"{', '.join(unknown)}: a setting export does not know (added to model.py?); it exports only "
+                        "at its default, since a Llama/Qwen3 cannot say what it changes")
     if config.mlp != "swiglu":
         raise UserError(f"mlp={config.mlp!r} has no Llama/Qwen3 equivalent (they use swiglu); only swiglu models export")
     if config.qk_norm and config.bias:

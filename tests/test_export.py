@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import unicodedata
+import dataclasses
 from dataclasses import asdict
 
 import pytest
@@ -281,6 +282,16 @@ def test_export_refuses_switches_without_an_equivalent(overrides, needle, tmp_pa
     with pytest.raises(UserError, match=needle):
         export_hf(model, char_meta(), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def test_export_refuses_a_setting_it_does_not_know_unless_at_its_default(tmp_path):
+    """A field a researcher added to GPTConfig (here document masking's separator) is refused by name before any file
+    is written, whatever one check batch happens to contain; at its default it changes nothing and exports."""
+    edited = dataclasses.make_dataclass("EditedConfig", [("doc_separator", tuple, ())], bases=(GPTConfig,))
+    small = dict(vocab_size=97, block_size=32, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    with pytest.raises(UserError, match=r"^doc_separator=\(1, 1\): a setting export does not know"):
+        hf_config(edited(**small, doc_separator=(1, 1)))
+    assert hf_config(edited(**small)) == hf_config(GPTConfig(**small))
 
 
 @pytest.mark.parametrize("change,needle", [
