@@ -26,6 +26,7 @@ DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
     to="",  # the folder to write the Hugging Face model to
     overwrite=False,  # replace an earlier export in that folder (else it is refused)
+    unchecked=False,  # without transformers installed, write the folder with its logits not compared (else refused)
 )
 
 
@@ -37,6 +38,12 @@ def main(argv):
     if earlier and not settings["overwrite"]:
         raise UserError(f"{settings['to']} holds an export already ({', '.join(earlier)}); pass --overwrite=True to "
                         "replace it, or choose another --to")
+    if not settings["unchecked"]:
+        try:
+            import transformers  # noqa: F401  (the logits check needs it: said before anything is loaded)
+        except ImportError:
+            raise UserError("transformers is not installed, so the export's logits cannot be compared with ours; "
+                            "pip install transformers, or pass --unchecked=True to write it unchecked") from None
     model, meta = load_model(settings["out_dir"])
     config, checked = export_hf(model, meta, settings["to"])
     check = "same logits in transformers" if checked else "logits not compared: transformers is not installed"

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 transformers = pytest.importorskip("transformers")  # in requirements-dev.txt; CI installs it
 
+import export  # noqa: E402
 import sample  # noqa: E402
 import train  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
@@ -522,6 +523,20 @@ def test_export_script_refuses_an_earlier_export_without_overwrite_and_writes_fi
         "tokenizer_config.json); pass --overwrite=True to replace it, or choose another --to")
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
     assert export("--overwrite=True").returncode == 0
+
+
+def test_export_without_transformers_is_refused_unless_unchecked(char_ckpts, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    with pytest.raises(UserError, match="transformers is not installed, so the export's logits cannot be compared"):
+        export.main([f"--out_dir={char_ckpts['swiglu']}", f"--to={tmp_path / 'hf'}"])
+    assert not (tmp_path / "hf").exists()
+    try:
+        export.main([f"--out_dir={char_ckpts['swiglu']}", f"--to={tmp_path / 'hf'}", "--unchecked=True"])
+    except UserError:  # refused: the export step, or model.py itself?
+        skip_if_model_py_does_not_export(load_model(char_ckpts["swiglu"])[0])
+        raise
+    assert "logits not compared: transformers is not installed" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").exists()
 
 
 def test_sample_errors_for_hf_folders(tmp_path, device):
