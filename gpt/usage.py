@@ -6,6 +6,7 @@ settings' indent heads a group; one indented deeper continues the comment of the
 """
 
 import io
+import os
 import re
 import sys
 import textwrap
@@ -20,7 +21,7 @@ def usage(defaults):
     path = getattr(module, "__file__", None) or ""
     events = settings_source(path) if path.endswith(".py") else []
     explained = {event[1] for event in events if event[0] == "key"}
-    script = path and path.rsplit("/", 1)[-1]
+    script = os.path.basename(path)
     lines = [f"usage: python {script or 'script.py'} [config/file.py ...] [--setting=value ...]"]
     if module is not None and module.__doc__:
         lines += ["", module.__doc__.strip()]
