@@ -66,7 +66,7 @@ def in_dir(path):
 
 def train_main(workdir, out_dir, *args):
     with in_dir(workdir):
-        train.main(TINY + [f"--out_dir={out_dir}", *args])
+        return train.main(TINY + [f"--out_dir={out_dir}", *args])
 
 
 def records(out_dir):
@@ -281,9 +281,14 @@ def interrupted(workdir, tmp_path_factory):
     """A run of 6 iterations (evaluated every 2) stopped at iteration 3 as a signal stops it: its out_dir, holding the
     checkpoint of iteration 3, and the time before it started."""
     out_dir, started = str(tmp_path_factory.mktemp("interrupted")), time.time()
+    def signal_at_3(stop_signal, world_size, iter_num, *args):  # as SIGTERM's handler would have, at iteration 3
+        if iter_num == 3:
+            stop_signal.append(signal.SIGTERM)
+        return bool(stop_signal)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "should_stop", lambda stop_signal, world_size, iter_num, *args: iter_num == 3)
-        train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2")
+        patch.setattr(train, "should_stop", signal_at_3)
+        assert train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2") == signal.SIGTERM
     assert load_ckpt(out_dir)["iter_num"] == 3
     return out_dir, started
 
