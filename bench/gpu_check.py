@@ -48,8 +48,8 @@ fsdp, the resume rows' six runs, the compiled memory runs at 32 and 64 and the t
 for ~30-60 s, less where inductor's caches hold what an earlier run compiled), plus the test suite; --no_tests, or
 --memory_batches=16 (measured by the train rows already), make it shorter.
 
-Everything goes to bench/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and every
-command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
+Everything goes to out-gpu-check/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and
+every command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
 The exit status is 1 if any row failed.
 """
 
@@ -821,7 +821,7 @@ def main():
                         "separated (default 16,32,64, tiny 8)")
     parser.add_argument("--timeout", default="1800", help="seconds one command may run before its row fails "
                         "(default 1800; a hung NCCL collective would otherwise never end)")
-    parser.add_argument("--out", default="", help="the JSON file (default bench/gpu_check_<device>.json)")
+    parser.add_argument("--out", default="", help="the JSON file (default out-gpu-check/gpu_check_<device>.json)")
     args = parser.parse_args()
     setup = device_setup(args.device)
     iters = positive_ints(args.iters or ("12" if args.tiny else "50"), "--iters")
@@ -842,7 +842,8 @@ def main():
         timeout=positive_ints(args.timeout, "--timeout"), results={}, commands=[],
         texts={})  # sample.py's texts by their settings: see greedy_text
     card = re.sub(r"\W+", "_", ctx.name.split(" (")[0]).strip("_").lower()
-    out = args.out or os.path.join(ROOT, "bench", f"gpu_check_{card}.json")
+    out = args.out or os.path.join(ROOT, "out-gpu-check", f"gpu_check_{card}.json")  # not into the repo's bench/
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     report = dict(device=ctx.name, capability=ctx.capability, gpu=ctx.cuda, torch=torch.__version__,
                   cuda=torch.version.cuda, python=platform.python_version(), tiny=args.tiny, iters=iters,
                   batch_size=batch, processes=ctx.processes, rows=ctx.results, log=ctx.log)

@@ -17,8 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def default_outputs():
     """Paths (relative to the repo) that a command writes when the user names none."""
-    paths = {attention.DEFAULTS["out"], train.DEFAULTS["out_dir"] + "/ckpt.pt", "bench/gpu_check_cpu.json",
-             "bench/gpu_check_cuda.json"}
+    paths = {attention.DEFAULTS["out"], train.DEFAULTS["out_dir"] + "/ckpt.pt", "out-gpu-check/gpu_check_cpu.json"}
     for script in ("compare.py", "plot.py"):  # argparse defaults: read from the source, as --help shows them
         with open(os.path.join(ROOT, script)) as f:
             for flag, default in re.findall(r'add_argument\("--(out|out_dir)", default="([^"]+)"', f.read()):
