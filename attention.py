@@ -14,7 +14,8 @@ next to each other and are labelled with their kv head.
 
 The weights come from the model's own q and k (CausalSelfAttention.queries_and_keys, after QK-norm and RoPE)
 and its mask rule (can_attend), caught by a hook on each attention module: the forward pass itself runs
-unchanged, through SDPA, and its output is what the tests compare with these weights times v.
+unchanged, through SDPA, and each layer's output must equal these weights times v, or the command refuses (an edit
+of model.py's attention that the weights do not follow would otherwise draw a wrong picture).
 """
 
 import math
@@ -27,7 +28,8 @@ from gpt import UserError
 from gpt.checkpoint import load_model, model_source, resolve_device
 from gpt.files import atomic_open, write_failure, write_json
 from gpt.tokenizer import Tokenizer
-from model import CausalSelfAttention, can_attend
+import model as model_py  # its rule looked up when used: what the model attends with, an edit or a test's patch
+from model import CausalSelfAttention
 from sample import read_prompt
 
 DEFAULTS = dict(
@@ -47,20 +49,38 @@ MAX_LABELS = 48  # tokens as axis labels up to this many; past that they would n
 def attention_weights(model, idx):
     """The logits (B, T, V) of idx (B, T), and each layer's attention weights (B, n_head, T, T): rows are
     queries, columns keys, the masked part exactly 0. The model runs its ordinary forward pass; a hook on each
-    attention module recomputes q and k from that module's input, the way the module itself does."""
-    weights, hooks = [], []
+    attention module recomputes q, k and v from that module's input, the way the module itself does, and the weights
+    from model.py's own rule (can_attend). Each layer's weights times v must then be what the model's attention
+    computed (o_proj's input): an edit of model.py's attention that the weights do not follow (a bias added to the
+    scores) is a UserError, not a wrong picture."""
+    weights, expected, hooks = [], [], []
 
     def capture(module, args):
         x, positions = args[0], args[1]
+        B, T, _ = x.shape
         q, k = module.queries_and_keys(x, positions)  # (B, nh, T, hd), (B, n_kv, T, hd)
-        k = k.repeat_interleave(module.n_head // module.n_kv_head, dim=1)  # query head h reads kv head h // group
+        v = module.v_proj(x).view(B, T, module.n_kv_head, module.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
+        group = module.n_head // module.n_kv_head  # query head h reads kv head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(module.head_dim)  # (B, nh, T, T)
-        visible = can_attend(positions.ids[:, None], positions.ids[None, :], module.config)  # (T, T)
+        visible = model_py.can_attend(positions.ids[:, None], positions.ids[None, :], module.config)  # (T, T)
         weights.append(scores.masked_fill(~visible, float("-inf")).softmax(dim=-1))
+        expected.append((weights[-1] @ v.float()).transpose(1, 2).reshape(B, T, -1))  # (B, T, nh * hd)
+
+    def check(o_proj, args):  # o_proj's input: the attention output the model computed, (B, T, nh * hd)
+        layer = len(weights) - 1
+        computed = args[0].float()
+        difference = (expected[layer] - computed).abs().max().item()
+        if difference > 1e-4 * max(1.0, computed.abs().max().item()):
+            raise UserError(f"layer {layer}: the model's attention output differs by {difference:.2g} from the "
+                            "weights drawn here (softmax(q k^T / sqrt(head_dim)) over can_attend's keys) times v: "
+                            "model.py's attention computes something more (a bias?); compute it in attention.py's "
+                            "attention_weights too")
 
     for module in model.modules():
         if isinstance(module, CausalSelfAttention):
             hooks.append(module.register_forward_pre_hook(capture))
+            hooks.append(module.o_proj.register_forward_pre_hook(check))
     try:
         logits, _ = model(idx)
     finally:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import attention
+import model as model_py
 from gpt import UserError
 from gpt.checkpoint import save_checkpoint
 from gpt.tokenizer import char_meta
@@ -42,15 +43,15 @@ def test_weights_times_v_are_the_models_attention_output(name, device):
     hooks = [layer.self_attn.v_proj.register_forward_hook(lambda m, a, out: values.append(out)) for layer in model.layers]
     hooks += [layer.self_attn.o_proj.register_forward_pre_hook(lambda m, a: outputs.append(a[0])) for layer in model.layers]
     with torch.no_grad():
-        plain = model(idx)[0]
+        plain = model(idx)[0]  # the model's own pass: its v and attention outputs
+        for hook in hooks:
+            hook.remove()
         logits, weights = attention.attention_weights(model, idx)
-    for hook in hooks:
-        hook.remove()
     assert torch.equal(logits, plain)  # capturing changes nothing
     config, (B, T) = model.config, idx.shape
     positions = torch.arange(T, device=device)
     visible = can_attend(positions[:, None], positions[None, :], config)
-    for w, v, y in zip(weights, values[len(model.layers):], outputs[len(model.layers):]):
+    for w, v, y in zip(weights, values, outputs, strict=True):
         assert w.shape == (B, config.n_head, T, T)
         assert torch.allclose(w.sum(-1), torch.ones(B, config.n_head, T, device=device), atol=1e-6)
         assert torch.all(w[..., ~visible] == 0) and torch.all(w[..., visible] > 0)
@@ -58,6 +59,30 @@ def test_weights_times_v_are_the_models_attention_output(name, device):
         v = v.repeat_interleave(config.n_head // config.n_kv_head, dim=1)  # query head h reads kv head h // group
         mixed = (w @ v).transpose(1, 2).reshape(B, T, -1)
         assert torch.allclose(mixed, y, atol=1e-5), (mixed - y).abs().max()
+
+
+def test_an_edited_rule_shows_in_the_map(monkeypatch):
+    """model.py's rule edited (here: no query sees the token just before it): the map follows it, with no error. The
+    model is windowed so that its attention builds the mask from the rule (a whole causal sequence with no window
+    takes SDPA's is_causal shortcut, which does not read it: there the model and the edited rule disagree, and
+    attention.py refuses, as the next test shows for an edit to the scores)."""
+    rule = model_py.can_attend
+    monkeypatch.setattr(model_py, "can_attend", lambda q, k, config: rule(q, k, config) & (k != q - 1))
+    model = tiny_model(n_head=4, n_kv_head=2, window=8)
+    idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    _, weights = attention.attention_weights(model, idx)
+    for w in weights:
+        assert torch.all(w.diagonal(offset=-1, dim1=-2, dim2=-1) == 0) and torch.all(w.diagonal(dim1=-2, dim2=-1) > 0)
+
+
+def test_an_edit_to_the_scores_the_map_does_not_follow_is_refused(monkeypatch):
+    """A bias added inside model.py's attention (here: every score doubled, as sharper attention would) changes what
+    the model attends with but not q, k or the rule: the picture would be wrong, so attention.py refuses by layer."""
+    attend = model_py.attention
+    monkeypatch.setattr(model_py, "attention", lambda q, k, v, *args, **kwargs: attend(2 * q, k, v, *args, **kwargs))
+    idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(UserError, match=r"^layer 0: the model's attention output differs by .* from the weights"):
+        attention.attention_weights(tiny_model(n_head=4, n_kv_head=2), idx)
 
 
 def test_head_statistics_by_hand():
