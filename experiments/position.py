@@ -24,6 +24,7 @@ own tokenizer.
 
 import argparse
 import contextlib
+import inspect
 import os
 import sys
 from unittest import mock
@@ -38,19 +39,25 @@ from gpt import UserError
 from gpt.checkpoint import load_model
 from gpt.machine import cpu_name
 from gpt.tokenizer import Tokenizer
+import model as model_py
 from model import GPT
 
 SETTINGS = [(True, True), (True, False), (False, True), (False, False)]  # (RoPE, causal mask)
+ATTENTION_SIGNATURE = inspect.signature(model_py.attention)  # read before any patch stands in for it
 
 
 def no_rope(x, positions):  # stands in for model.rope: q and k (B, T, h, hd) unchanged, whatever their position
     return x
 
 
-def unmasked_attention(q, k, v, positions, config, dropout_p=0.0):
+def unmasked_attention(*args, **kwargs):
     """Stands in for model.attention: every query reads every key (no causal mask, no window); q (B, nh, T, hd),
-    k and v (B, n_kv, T, hd) -> (B, nh, T, hd)."""
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=q.size(1) != k.size(1))
+    k and v (B, n_kv, T, hd) -> (B, nh, T, hd). It takes whatever model.attention takes (its arguments found by
+    name in its own signature), so an edit of that signature in model.py needs no edit here."""
+    given = ATTENTION_SIGNATURE.bind(*args, **kwargs).arguments
+    q, k, v = given["q"], given["k"], given["v"]
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=given.get("dropout_p", 0.0),
+                                          enable_gqa=q.size(1) != k.size(1))
 
 
 @contextlib.contextmanager
