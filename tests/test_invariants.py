@@ -299,7 +299,9 @@ def test_the_mask_rule_gives_each_query_its_promised_keys(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_each_query_is_moved_by_its_promised_keys_only(name, device):
-    assert visible_keys_error(build(name, device)) < TOL
+    error = visible_keys_error(build(name, device))
+    assert error < TOL, (f"{name}: a query's output moved by {error:.3g} when keys outside its promised ones changed "
+                         "(model.py's attention reads keys that can_attend and VISIBLE_KEYS do not promise)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -308,12 +310,14 @@ def test_each_query_is_moved_by_its_promised_keys_only(name, device):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_cache_in_chunks_equals_full_forward(name, device):
-    assert cache_vs_full(build(name, device)) < TOL
+    error = cache_vs_full(build(name, device))
+    assert error < TOL, f"{name}: the KV cache fed in chunks differs from the full forward by {error:.3g} (max |logit|)"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_static_cache_equals_growing_cache(name, device):
-    assert static_vs_growing(build(name, device)) < TOL
+    error = static_vs_growing(build(name, device))
+    assert error < TOL, f"{name}: the static (compiled) cache differs from the growing one by {error:.3g} (max |logit|)"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -326,15 +330,19 @@ def test_full_forward_fast_path_equals_the_mask_rule(name, monkeypatch, device):
         return original(query_pos, key_pos, *settings)
 
     monkeypatch.setattr(model_py, "can_attend", counting)
-    assert fast_path_vs_mask(model) < TOL
+    error = fast_path_vs_mask(model)
+    assert error < TOL, (f"{name}: the full forward's fast path (SDPA's is_causal) differs from the mask rule's path by "
+                         f"{error:.3g} (max |logit|): an edit of can_attend must change the fast path's condition too")
     assert any(n > 1 for n in calls)  # the static side did go through the mask rule, for a whole chunk
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name, device):
     outside, edge = receptive_field(build(name, device))
-    assert outside < TOL  # nothing before it (causal), nothing past the window's reach
-    assert edge > BROKEN  # and the window reaches that far, not one position less
+    assert outside < TOL, (f"{name}: changing one token moved logits outside its receptive field by {outside:.3g} "
+                           "(before it: not causal; or past the window's reach)")
+    assert edge > BROKEN, (f"{name}: the logits at the window's reach moved only {edge:.3g}: the window reaches less "
+                           "far than promised")
 
 
 # ----------------------------------------------------------------------------------------------------
