@@ -132,12 +132,14 @@ def extract():
 
 
 def link_needs(commands):
-    """Fill each command's needs from NEEDS: the first other command that makes what it reads."""
+    """Fill each command's needs from NEEDS: the first other command that makes what it reads, preferring one that can
+    run here (runs or long) to one that needs the network or a GPU."""
     for command in commands:
         for pattern, made_by in NEEDS:
             if not re.search(pattern, command.text) or re.search(made_by, command.text):
                 continue
-            maker = next((c for c in commands if c is not command and re.search(made_by, c.text)), None)
+            makers = [c for c in commands if c is not command and re.search(made_by, c.text)]
+            maker = next((c for c in makers if c.kind in (RUNS, "long")), makers[0] if makers else None)
             if maker is None:
                 command.missing.append(made_by)
             elif maker not in command.needs:
