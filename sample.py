@@ -9,8 +9,8 @@ Sample text from a trained model, streamed to the terminal as it is produced:
     python sample.py --prompt "ROMEO:" --quantize=int8        # int8 weights, compiled: fast per token once started
     python sample.py --prompt "ROMEO:" --quantize=w8a8 --num_samples=8   # the fastest batched (CPU)
 
-The decoding is engine.py's (speculative.py's with --draft): docs/sampling.md. The first sample is streamed, the
-others are printed when the batch is done; notes and the speed go to stderr.
+The decoding is gpt/engine.py's (gpt/speculative.py's with --draft): docs/sampling.md. The first sample is streamed,
+the others are printed when the batch is done; notes and the speed go to stderr.
 """
 
 import os
@@ -42,7 +42,8 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed); \n, \t, \\ and \uXXXX decoded
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, a scale per output channel (the draft's too); "w8a8": rows too (quantize.py)
+    quantize=None,  # "int8": int8 weights, a scale per output channel (the draft's too); "w8a8": rows too
+                    # (gpt/quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (kept on disk); None: where it pays (engine.compiles_by_default)
     draft="",  # for speculative decoding, a smaller model (out_dir, .pt, hf:path) with the same tokenizer, or "lookup"
@@ -69,8 +70,8 @@ def read_prompt(prompt):
 
 
 def unescape(text):
-    """text with the escapes a shell passes as written decoded (\\n, \\t, \\\\, \\uXXXX), the rest as it is: not Python's
-    unicode_escape, which would mangle non-ASCII text."""
+    """text with the escapes a shell passes as written decoded (\\n, \\t, \\\\, \\uXXXX), the rest as it is: not
+    Python's unicode_escape, which would mangle non-ASCII text."""
     return ESCAPES.sub(lambda m: ESCAPED.get(m.group(1)) or chr(int(m.group(1)[1:], 16)), text)
 
 
