@@ -12,24 +12,25 @@ the share of weight on the previous token, on the first token and on the token i
 heads" and "attention sinks" can be read off the table. Query heads that share a key/value head (GQA) sit
 next to each other and are labelled with their kv head.
 
-The weights come from the model's own q and k (CausalSelfAttention.queries_and_keys, after QK-norm and RoPE)
-and its mask rule (can_attend), caught by a hook on each attention module: the forward pass itself runs
-unchanged, through SDPA, and each layer's output must equal these weights times v, or the command refuses (an edit
-of model.py's attention that the weights do not follow would otherwise draw a wrong picture).
+The weights are the model's own: while the forward pass runs, unchanged, each call it makes to
+F.scaled_dot_product_attention is watched (a TorchFunctionMode), and the weights are computed once more from that
+call's own arguments (q, k, the mask or is_causal, the scale), by SDPA's definition. An edit of model.py's
+attention (another rule, a bias in the scores such as ALiBi's, another scale) therefore shows in the maps; each
+layer's weights times v must equal what the call returned, or the command refuses rather than draw a wrong picture.
 """
 
 import math
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import load_model, model_source, resolve_device
 from gpt.files import atomic_open, write_failure, write_json
 from gpt.tokenizer import Tokenizer
-import model as model_py  # its rule looked up when used: what the model attends with, an edit or a test's patch
-from model import CausalSelfAttention
 from sample import read_prompt
 
 DEFAULTS = dict(
@@ -45,48 +46,55 @@ DEFAULTS = dict(
 MAX_LABELS = 48  # tokens as axis labels up to this many; past that they would not be readable
 
 
+class SDPAWeights(TorchFunctionMode):
+    """While active, keeps the weights softmax(q k^T * scale + mask) of every F.scaled_dot_product_attention call
+    (the call itself runs as it would), and checks that they times v give what the call returned."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)  # the mode is off inside this method: torch runs the call as usual
+        if func is F.scaled_dot_product_attention:
+            self.weights.append(sdpa_weights(output, *args, **kwargs))
+        return output
+
+
+def sdpa_weights(output, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The weights (..., L, S) of one F.scaled_dot_product_attention call, from its arguments, by its definition;
+    UserError unless they times v are output (the call's own result)."""
+    if enable_gqa:  # query head h reads kv head h // group
+        group = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    L, S = q.size(-2), k.size(-2)
+    scores = (q.float() @ k.float().transpose(-2, -1)) * (1 / math.sqrt(q.size(-1)) if scale is None else scale)
+    if is_causal:
+        attn_mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    weights = scores.softmax(dim=-1)
+    difference = (weights @ v.float() - output.float()).abs().max().item()
+    if dropout_p or difference > 1e-4 * max(1.0, output.abs().max().item()):
+        raise UserError(f"an attention call's output differs by {difference:.2g} from its weights (computed from its "
+                        "arguments) times v: the weights drawn would not be the model's")
+    return weights
+
+
 @torch.no_grad()
 def attention_weights(model, idx):
     """The logits (B, T, V) of idx (B, T), and each layer's attention weights (B, n_head, T, T): rows are
-    queries, columns keys, the masked part exactly 0. The model runs its ordinary forward pass; a hook on each
-    attention module recomputes q, k and v from that module's input, the way the module itself does, and the weights
-    from model.py's own rule (can_attend). Each layer's weights times v must then be what the model's attention
-    computed (o_proj's input): an edit of model.py's attention that the weights do not follow (a bias added to the
-    scores) is a UserError, not a wrong picture."""
-    weights, expected, hooks = [], [], []
-
-    def capture(module, args):
-        x, positions = args[0], args[1]
-        B, T, _ = x.shape
-        q, k = module.queries_and_keys(x, positions)  # (B, nh, T, hd), (B, n_kv, T, hd)
-        v = module.v_proj(x).view(B, T, module.n_kv_head, module.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
-        group = module.n_head // module.n_kv_head  # query head h reads kv head h // group
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(module.head_dim)  # (B, nh, T, T)
-        visible = model_py.can_attend(positions.ids[:, None], positions.ids[None, :], module.config)  # (T, T)
-        weights.append(scores.masked_fill(~visible, float("-inf")).softmax(dim=-1))
-        expected.append((weights[-1] @ v.float()).transpose(1, 2).reshape(B, T, -1))  # (B, T, nh * hd)
-
-    def check(o_proj, args):  # o_proj's input: the attention output the model computed, (B, T, nh * hd)
-        layer = len(weights) - 1
-        computed = args[0].float()
-        difference = (expected[layer] - computed).abs().max().item()
-        if difference > 1e-4 * max(1.0, computed.abs().max().item()):
-            raise UserError(f"layer {layer}: the model's attention output differs by {difference:.2g} from the "
-                            "weights drawn here (softmax(q k^T / sqrt(head_dim)) over can_attend's keys) times v: "
-                            "model.py's attention computes something more (a bias?); compute it in attention.py's "
-                            "attention_weights too")
-
-    for module in model.modules():
-        if isinstance(module, CausalSelfAttention):
-            hooks.append(module.register_forward_pre_hook(capture))
-            hooks.append(module.o_proj.register_forward_pre_hook(check))
-    try:
+    queries, columns keys, the masked part exactly 0. The model runs its ordinary forward pass; the weights are
+    those of its calls to F.scaled_dot_product_attention (SDPAWeights), one a layer, or a UserError."""
+    B, T = idx.shape
+    with SDPAWeights() as watched:
         logits, _ = model(idx)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return logits, weights
+    n_layer, n_head = model.config.n_layer, model.config.n_head
+    if len(watched.weights) != n_layer:
+        raise UserError(f"the model's forward pass called F.scaled_dot_product_attention {len(watched.weights)} times, "
+                        f"not once in each of its {n_layer} layers: attention.py draws the weights of those calls")
+    return logits, [w.reshape(B, n_head, T, T) for w in watched.weights]  # one token: (B, n_kv, group, S) -> heads
 
 
 def head_stats(w):

@@ -9,8 +9,10 @@ The architecture, and the GPTConfig switch for each choice:
 - MLP: "swiglu" (Llama), "gelu" (GPT-2) or "relu2" (squared ReLU); biases, dropout, tied head optional.
 Which keys a query may see is one rule, can_attend, used by every attention path: a whole sequence
 (training), one new token against the KV cache (decoding), a chunk after a cached prefix (chunked prefill,
-speculative verification). bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a
-Qwen3 (qk_norm=True), with Hugging Face's module names (embed_tokens, layers.N.self_attn.q_proj, ...).
+speculative verification). It is told the layer and the tokens, so a rule may depend on them (per-layer windows,
+document masking): the KV cache keeps each slot's token id for it. bias=False, mlp="swiglu", window=0 is exactly
+a Llama (qk_norm=False) or a Qwen3 (qk_norm=True), with Hugging Face's module names (embed_tokens,
+layers.N.self_attn.q_proj, ...).
 """
 
 import math
@@ -83,10 +85,11 @@ def norm(dim, config):  # every norm of the model is made here: RMSNorm with a l
 
 
 class Positions:
-    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers."""
+    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers;
+    and key_tokens (B, S), the token id at each position attention reads (the tokens themselves, or the cache's)."""
 
-    def __init__(self, ids, head_dim, base):
-        self.ids = ids
+    def __init__(self, ids, head_dim, base, key_tokens=None):
+        self.ids, self.key_tokens = ids, key_tokens
         inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
         angles = (ids[:, None] * inv_freq).repeat(1, 2)[:, None, :]  # (T, 1, hd): pair i's angle at i and i + hd/2
         self.cos, self.sin = angles.cos(), angles.sin()  # fp32 even under bf16 autocast: long contexts need it
@@ -99,22 +102,25 @@ def rope(x, positions):
     return torch.addcmul(x.float() * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin).to(x.dtype)
 
 
-def can_attend(query_pos, key_pos, config):
+def can_attend(query_pos, key_pos, config, layer, tokens):
     """The mask rule, for every attention path: True where the query at query_pos may see the key at key_pos
-    (tensors that broadcast). Causal: no key after the query; with a window, none window or more before it."""
+    (tensors that broadcast) in layer `layer` (an int), the token ids at key positions 0 .. S-1 being tokens (B, S).
+    Causal: no key after the query; with a window, none window or more before it. A rule that reads tokens returns
+    (B, 1, T, S) (one mask per sequence, for every head); one that reads only positions, (T, S)."""
     visible = key_pos <= query_pos
     if config.window:
         visible = visible & (key_pos > query_pos - config.window)
     return visible
 
 
-def attention(q, k, v, positions, config, dropout_p=0.0):
-    """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions (T,), k and v
-    (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
+def attention(q, k, v, positions, config, layer, dropout_p=0.0):
+    """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions.ids (T,), k and
+    v (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
     causal = config.window == 0 and T == S  # a whole sequence: is_causal, no mask to build
-    mask = None if causal else can_attend(positions[:, None], torch.arange(S, device=q.device), config)  # (T, S)
+    mask = None if causal else can_attend(positions.ids[:, None], torch.arange(S, device=q.device), config, layer,
+                                          positions.key_tokens)  # (T, S), or (B, 1, T, S) from a rule of the tokens
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
@@ -138,6 +144,7 @@ class KVCache:
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
         self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
+        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # each slot's token id
         self.layer_ids = torch.arange(n_layer, device=device)  # indices as a tensor: see update
         self.max_len, self.static = max_len, static
         self.pos = 0  # how many positions are filled; the next token goes here
@@ -155,10 +162,20 @@ class KVCache:
         self.k[index], self.v[index] = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # indexed dims first: (T, B, n_kv, hd)
         return self.k[layer], self.v[layer]
 
+    def update_tokens(self, idx, positions):
+        """Write the token ids idx (B, T) at positions (T,), as update does k and v; return the ids of the slots
+        attention reads (B, S), for can_attend."""
+        if not self.static:
+            end = self.pos + idx.size(1)
+            self.tokens[:, self.pos:end] = idx
+            return self.tokens[:, :end]
+        self.tokens[:, positions] = idx
+        return self.tokens
+
     def select_rows(self, rows):
         """Keep the batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
         rows = torch.as_tensor(rows, device=self.k.device)
-        self.k, self.v = self.k[:, rows], self.v[:, rows]
+        self.k, self.v, self.tokens = self.k[:, rows], self.v[:, rows], self.tokens[rows]
 
     def truncate(self, length):  # forget every position from `length` on (e.g. rejected speculated tokens)
         if not 0 <= length <= self.pos:
@@ -191,7 +208,7 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, positions.ids)  # (B, n_kv, S, hd): the cached keys too
-        y = attention(q, k, v, positions.ids, self.config, self.config.dropout if self.training else 0.0)
+        y = attention(q, k, v, positions, self.config, self.layer_idx, self.config.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, nh, T, hd) -> (B, T, nh * hd)
         return self.resid_dropout(self.o_proj(y))
 
@@ -268,7 +285,8 @@ class GPT(nn.Module):
         return self.norm(x)
 
     def positions(self, idx, kv_cache, input_pos):
-        """The Positions of the tokens idx (B, T), after checking that they fit where they go."""
+        """The Positions of the tokens idx (B, T), after checking that they fit where they go (into the cache, if
+        one is given: their ids are written there)."""
         B, T = idx.shape
         start, end = (0, self.config.block_size) if kv_cache is None else (kv_cache.pos, kv_cache.max_len)
         if (input_pos is not None) != (kv_cache is not None and kv_cache.static):
@@ -279,7 +297,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds block_size {end}" if kv_cache is None else f"KV cache "
                              f"overflow: {start} cached + {T} new tokens > max_len {end}; make a larger new_kv_cache")
         ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
-        return Positions(ids, self.config.head_dim, self.config.rope_base)
+        key_tokens = idx if kv_cache is None else kv_cache.update_tokens(idx, ids)  # (B, S)
+        return Positions(ids, self.config.head_dim, self.config.rope_base, key_tokens)
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None, loss_chunk=0):
         """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;

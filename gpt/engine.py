@@ -189,8 +189,8 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     if cache is not None:
         cache.select_rows([0] * n)  # every sample starts from the prompt's cache
     if compiled:  # the step writes these tensors in place; a graph replays only on the addresses it recorded
-        torch._dynamo.mark_static_address(cache.k)
-        torch._dynamo.mark_static_address(cache.v)
+        for buffer in (cache.k, cache.v, cache.tokens):
+            torch._dynamo.mark_static_address(buffer)
     rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (compiled only)
     for step in range(settings["max_new_tokens"]):
         tokens = next_tokens(logits, settings, vocab_size, generator)  # (B, 1)
@@ -208,8 +208,8 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
         if cache is not None and cache.pos == block_size:  # the context is full: slide the window
             refilled, tokens = prefill(model, slide(contexts, block_size), block_size, compiled)
             if compiled:  # into the same tensors, which keep their static addresses
-                cache.k.copy_(refilled.k)
-                cache.v.copy_(refilled.v)
+                for name in ("k", "v", "tokens"):
+                    getattr(cache, name).copy_(getattr(refilled, name))
                 cache.pos = refilled.pos
             else:
                 cache = refilled

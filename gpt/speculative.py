@@ -159,8 +159,8 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
                 cache, _ = prefill(model, window, max_len, static=True)
                 tokens = window[0].tolist()
                 if settings["compile"]:
-                    torch._dynamo.mark_static_address(cache.k)
-                    torch._dynamo.mark_static_address(cache.v)
+                    for buffer in (cache.k, cache.v, cache.tokens):
+                        torch._dynamo.mark_static_address(buffer)
             if unwarmed and cache.pos + k < max_len:  # compile the k + 1 shape before the first token is out, not
                 # at the first proposal (a stall of seconds); what it writes past cache.pos is masked, then overwritten
                 step(model, torch.tensor([tokens[-1:] * (k + 1)], device=device), cache,

@@ -3,12 +3,14 @@ the model computes), rows sum to 1, the masked part is exactly 0, capturing chan
 by hand; the picture's panels; one-line errors."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import attention
 import model as model_py
@@ -18,6 +20,7 @@ from gpt.tokenizer import char_meta
 from model import GPT, GPTConfig, can_attend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+ATTENTION = model_py.attention  # the original, before a test patches it
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "ROMEO: But soft, what light through yonder window breaks?\n"
@@ -50,7 +53,7 @@ def test_weights_times_v_are_the_models_attention_output(name, device):
     assert torch.equal(logits, plain)  # capturing changes nothing
     config, (B, T) = model.config, idx.shape
     positions = torch.arange(T, device=device)
-    visible = can_attend(positions[:, None], positions[None, :], config)
+    visible = can_attend(positions[:, None], positions[None, :], config, 0, idx)
     for w, v, y in zip(weights, values, outputs, strict=True):
         assert w.shape == (B, config.n_head, T, T)
         assert torch.allclose(w.sum(-1), torch.ones(B, config.n_head, T, device=device), atol=1e-6)
@@ -62,12 +65,11 @@ def test_weights_times_v_are_the_models_attention_output(name, device):
 
 
 def test_an_edited_rule_shows_in_the_map(monkeypatch):
-    """model.py's rule edited (here: no query sees the token just before it): the map follows it, with no error. The
-    model is windowed so that its attention builds the mask from the rule (a whole causal sequence with no window
-    takes SDPA's is_causal shortcut, which does not read it: there the model and the edited rule disagree, and
-    attention.py refuses, as the next test shows for an edit to the scores)."""
+    """model.py's rule edited (here: no query sees the token just before it): the map follows it. The model is
+    windowed so that its attention builds the mask from the rule (a whole causal sequence with no window takes SDPA's
+    is_causal shortcut, which does not read it: the map then shows that plain causal attention, what the model did)."""
     rule = model_py.can_attend
-    monkeypatch.setattr(model_py, "can_attend", lambda q, k, config: rule(q, k, config) & (k != q - 1))
+    monkeypatch.setattr(model_py, "can_attend", lambda q, k, *rest: rule(q, k, *rest) & (k != q - 1))
     model = tiny_model(n_head=4, n_kv_head=2, window=8)
     idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
     _, weights = attention.attention_weights(model, idx)
@@ -75,13 +77,56 @@ def test_an_edited_rule_shows_in_the_map(monkeypatch):
         assert torch.all(w.diagonal(offset=-1, dim1=-2, dim2=-1) == 0) and torch.all(w.diagonal(dim1=-2, dim2=-1) > 0)
 
 
-def test_an_edit_to_the_scores_the_map_does_not_follow_is_refused(monkeypatch):
-    """A bias added inside model.py's attention (here: every score doubled, as sharper attention would) changes what
-    the model attends with but not q, k or the rule: the picture would be wrong, so attention.py refuses by layer."""
-    attend = model_py.attention
-    monkeypatch.setattr(model_py, "attention", lambda q, k, v, *args, **kwargs: attend(2 * q, k, v, *args, **kwargs))
+def alibi_attention(q, k, v, positions, config, layer, dropout_p=0.0):
+    """ALiBi in place of model.attention: each head's scores get -slope * (query - key), slopes 1/2, 1/4, ..., added
+    through SDPA's float mask (-inf after the query)."""
+    n_head, group = q.size(1), q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    distance = (positions.ids[:, None] - torch.arange(k.size(2))).float()  # (T, S)
+    slopes = 2.0 ** -torch.arange(1, n_head + 1.0)
+    bias = (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))  # (nh, T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+
+
+def doubled_scores(q, k, v, *args, **kwargs):  # sharper attention: every score doubled
+    return ATTENTION(2 * q, k, v, *args, **kwargs)
+
+
+@pytest.mark.parametrize("edit", ["alibi", "doubled_scores"])
+def test_an_edit_to_the_scores_shows_in_the_map(edit, monkeypatch):
+    """A bias or a scale inside model.py's attention changes neither q, k nor the rule; the map still shows what the
+    model attends with: here it equals softmax(q k^T / sqrt(hd) + the edit), computed by hand from q and k."""
+    model, (B, T) = tiny_model(n_head=4, n_kv_head=2), (1, 12)
+    idx = torch.randint(0, 64, (B, T), generator=torch.Generator().manual_seed(1))
+    inputs = []  # each layer's (x, positions), to compute q and k by hand
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda m, args: inputs.append(args)) for layer in model.layers]
+    monkeypatch.setattr(model_py, "attention", alibi_attention if edit == "alibi" else doubled_scores)
+    _, weights = attention.attention_weights(model, idx)
+    for hook in hooks:
+        hook.remove()
+    distance = (torch.arange(T)[:, None] - torch.arange(T)).float()
+    for layer, w in zip(model.layers, weights, strict=True):
+        x, positions = inputs.pop(0)[:2]  # (x, positions, kv_cache)
+        q, k = layer.self_attn.queries_and_keys(x, positions)
+        scores = q @ k.repeat_interleave(2, dim=1).transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, T)
+        if edit == "alibi":
+            scores = scores - 2.0 ** -torch.arange(1, 5.0)[:, None, None] * distance
+        else:
+            scores = 2 * scores
+        expected = scores.masked_fill(distance < 0, float("-inf")).softmax(dim=-1)
+        assert torch.allclose(w, expected, atol=1e-5), (w - expected).abs().max()
+
+
+def test_an_attention_without_sdpa_is_refused(monkeypatch):
+    """An attention written out by hand (no SDPA call to read the weights from) is refused, not drawn as something."""
+    def by_hand(q, k, v, *args, **kwargs):
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
+        return scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf")).softmax(-1) @ v
+
+    monkeypatch.setattr(model_py, "attention", by_hand)
     idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(UserError, match=r"^layer 0: the model's attention output differs by .* from the weights"):
+    with pytest.raises(UserError, match=r"called F.scaled_dot_product_attention 0 times, not once in each of its 2"):
         attention.attention_weights(tiny_model(n_head=4, n_kv_head=2), idx)
 
 

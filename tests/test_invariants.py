@@ -6,15 +6,17 @@ For each config, with random weights (sharp, context-dependent distributions) in
 - greedy generate equals a naive loop that recomputes the whole sequence every step;
 - engine's greedy decode_batch equals a naive loop (past block_size too), and speculative decoding equals it;
 - the full-sequence forward (SDPA's is_causal fast path when window == 0) equals the mask rule's logits;
-- changing one token changes exactly the logits in its receptive field (causal, and n_layer * (window - 1)
-  positions on with a sliding window);
-- each query sees exactly the keys its settings promise (VISIBLE_KEYS, written apart from model.py): the mask
-  can_attend gives each path, and in a one-layer model, which tokens move which logits through every path;
+- changing one token changes exactly the logits in its receptive field (derived layer by layer from the promises:
+  causal, and n_layer * (window - 1) positions on with a sliding window);
+- each query sees exactly the keys its settings promise (VISIBLE_KEYS, written apart from model.py), in every
+  layer and for the tokens at hand: the mask can_attend gives each path, and, with every other layer silenced,
+  which tokens move which logits through every path;
 - export either refuses a model (leaving nothing behind) or writes one that loads back bit for bit, same config.
 
 Every attention path asks model.can_attend which keys a query sees, so the last tests plant bugs in it (off by
-one for single-token decoding only, a forgotten setting, and others) and check that these invariants catch each
-of them; if model.py fails an invariant with nothing planted, they say so instead.
+one for single-token decoding only, a forgotten setting, one layer's rule wrong, and others) and check that these
+invariants catch each of them; if model.py fails an invariant with nothing planted, they say so instead, naming the
+helper and the promise that may be what needs the change.
 
 Adding a model setting (a GPTConfig field, or a new value such as another MLP kind): add one entry to CONFIGS
 that turns it on, and the field to VISIBLE_KEYS (with its promise) or SAME_KEYS. test_configs_cover_every_setting
@@ -54,12 +56,15 @@ NAMES = list(CONFIGS)
 
 # Which keys a query sees, written down apart from model.py's can_attend: a rule can agree with itself on every
 # attention path and still not do what its setting promises (an "attention sinks" rule that does nothing). Each
-# setting that changes the visible keys maps to its promise, a function of plain ints (query, key, the setting's
-# value, whether the key is visible so far) applied in this order to the causal set, key <= query.
+# setting that changes the visible keys maps to its promise, a function of plain Python values (query, key: positions;
+# the setting's value; visible: whether the key is visible so far; layer: the layer's index; tokens: the sequence's
+# token ids, a list) applied in this order to the causal set, key <= query.
 VISIBLE_KEYS = {
-    "window": lambda query, key, window, visible: visible and (window == 0 or key > query - window),
+    "window": lambda query, key, window, visible, layer, tokens: visible and (window == 0 or key > query - window),
     # Attention sinks, were GPTConfig to gain `sinks` (the first `sinks` tokens stay visible past the window):
-    # "sinks": lambda query, key, sinks, visible: visible or key < min(sinks, query + 1),
+    # "sinks": lambda query, key, sinks, visible, layer, tokens: visible or key < min(sinks, query + 1),
+    # Document masking, were it to gain `doc_sep` (a query sees no key before a separator token at or before it):
+    # "doc_sep": lambda query, key, sep, visible, layer, tokens: visible and (sep < 0 or sep not in tokens[key:query]),
 }
 SAME_KEYS = ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "dropout", "bias",
              "mlp", "mlp_hidden", "qk_norm", "rope_base", "norm_eps", "tie_embeddings")  # change no query's keys
@@ -93,10 +98,22 @@ def device_of(model):
     return model.embed_tokens.weight.device
 
 
-def tokens(model, shape, seed):
-    """Random tokens from a fixed CPU generator (the same on every device), on the model's device."""
+SMALL_IDS = 4  # a quarter of the tokens drawn are ids 0 .. 3, so that a rule of the tokens (a separator) meets them
+
+
+def token_ids(vocab_size, shape, seed):
+    """Random token ids from a fixed CPU generator: uniform over the vocabulary, but a quarter of them among ids
+    0 .. SMALL_IDS-1, often next to each other (a CONFIGS entry for a token rule names one of those: a separator)."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, shape, generator=generator).to(device_of(model))
+    drawn = torch.randint(0, vocab_size, shape, generator=generator)
+    small = torch.rand(shape, generator=generator) < 0.25
+    drawn[small] = torch.randint(0, SMALL_IDS, shape, generator=generator)[small]
+    return drawn
+
+
+def tokens(model, shape, seed):
+    """token_ids for the model (the same on every device), on its device."""
+    return token_ids(model.config.vocab_size, shape, seed).to(device_of(model))
 
 
 def garbage_(tensor, generator, std=100.0):
@@ -132,6 +149,7 @@ def logits_through(model, idx, path, seed=0, cache=None):
     if path == "static":
         garbage_(cache.k, torch.Generator().manual_seed(seed))
         garbage_(cache.v, torch.Generator().manual_seed(seed + 1))
+        cache.tokens.copy_(tokens(model, cache.tokens.shape, seed + 2))  # and token ids no rule may read
     pieces, start = [], 0
     for size in [1] * T if path == "tokens" else chunk_sizes(T, seed):
         input_pos = torch.arange(start, start + size, device=idx.device) if path == "static" else None
@@ -181,82 +199,118 @@ def fast_path_vs_mask(model, batch=2, seed=2):
     static = model.new_kv_cache(batch, T + 8, static=True)
     garbage_(static.k, torch.Generator().manual_seed(seed))
     garbage_(static.v, torch.Generator().manual_seed(seed + 1))
+    static.tokens.copy_(tokens(model, static.tokens.shape, seed + 2))
     return max_error(model(idx, kv_cache=static, input_pos=torch.arange(T, device=idx.device))[0], model(idx)[0])
 
 
-def receptive_field_reach(config):
-    """How many positions after a token still see it: each layer looks window - 1 positions back."""
-    return config.n_layer * (config.window - 1) if config.window else config.block_size
+def promised(config, query, key, layer=0, tokens=()):
+    """Whether the query at position query sees the key at position key in layer `layer` of a sequence of token ids
+    tokens (a list), from VISIBLE_KEYS alone (plain ints)."""
+    visible = key <= query
+    for setting, promise in VISIBLE_KEYS.items():
+        visible = promise(query, key, getattr(config, setting), visible, layer, tokens)
+    return visible
+
+
+def promised_mask(config, n, layer=0, tokens=()):
+    """(n, n) bool: which of the keys at 0 .. n-1 the query at each position 0 .. n-1 is promised, in that layer, for
+    the token ids tokens (a list of n)."""
+    return torch.tensor([[promised(config, q, k, layer, tokens) for k in range(n)] for q in range(n)])
+
+
+def reached_by_a_change(config, original, changed, changed_at):
+    """(T,) bool: the positions whose logits changing the token at changed_at may move, from the promises alone, layer
+    by layer: a position is reached when it sees (in either sequence) a position reached before, or when the keys it
+    sees differ between the two sequences (a rule of the tokens). original, changed: token ids (lists of T)."""
+    T = len(original)
+    reached = torch.arange(T) == changed_at
+    for layer in range(config.n_layer):
+        before, after = promised_mask(config, T, layer, original), promised_mask(config, T, layer, changed)
+        reached = reached | ((before | after) & reached).any(dim=1) | (before != after).any(dim=1)
+    return reached
 
 
 @torch.no_grad()
 def receptive_field(model, changed_at=10, seed=3):
     """Change the token at changed_at and see which positions' logits move. Returns (the largest change
-    outside the receptive field, the change at its far edge): causal, and with a window, nothing past
-    n_layer * (window - 1) positions on, derived from the definition rather than from model.py."""
+    outside the receptive field, the change at its far edge): the field derived from VISIBLE_KEYS
+    (reached_by_a_change), not from model.py."""
     T = model.config.block_size
     idx = tokens(model, (1, T), seed)
     changed = idx.clone()
     changed[0, changed_at] = (idx[0, changed_at] + 1) % model.config.vocab_size
-    moved = (model(idx)[0] - model(changed)[0]).abs().amax(dim=-1)[0]  # (T,)
-    last = min(changed_at + receptive_field_reach(model.config), T - 1)
-    outside = torch.cat([moved[:changed_at], moved[last + 1:]])
+    moved = (model(idx)[0] - model(changed)[0]).abs().amax(dim=-1)[0].cpu()  # (T,)
+    reached = reached_by_a_change(model.config, idx[0].tolist(), changed[0].tolist(), changed_at)
+    last = int(reached.nonzero().max())
+    outside = moved[~reached]
     return (outside.max().item() if outside.numel() else 0.0), moved[last].item()
 
 
-def promised(config, query, key):
-    """Whether the query at position query sees the key at position key, from VISIBLE_KEYS alone (plain ints)."""
-    visible = key <= query
-    for setting, promise in VISIBLE_KEYS.items():
-        visible = promise(query, key, getattr(config, setting), visible)
-    return visible
-
-
-def promised_mask(config, queries, n_keys):
-    """(len(queries), n_keys) bool: the promised keys among 0 .. n_keys-1 of the queries at those positions."""
-    return torch.tensor([[promised(config, q, k) for k in range(n_keys)] for q in queries])
-
-
 def mask_vs_promise(config, seed=0):
-    """can_attend's mask vs the promise, for what each attention path asks it: one query at every position over
-    a whole static cache (later slots too), and chunks over a growing cache (keys up to the chunk's end) and over
-    a static one. Returns the first disagreement, in words, or None."""
+    """can_attend's mask vs the promise, in every layer and for two token sequences, for what each attention path asks
+    it: one query at every position over a whole static cache (later slots too), and chunks over a growing cache
+    (keys up to the chunk's end) and over a static one. Returns the first disagreement, in words, or None."""
     n = config.block_size
     asks, start = [(torch.tensor([q]), n) for q in range(n)], 0
     for size in chunk_sizes(n, seed):
         positions = torch.arange(start, start + size)
         asks += [(positions, start + size), (positions, n)]
         start += size
-    for positions, n_keys in asks:
-        mask = model_py.can_attend(positions[:, None], torch.arange(n_keys), config).expand(len(positions), n_keys)
-        expected = promised_mask(config, positions.tolist(), n_keys)
-        if not torch.equal(mask, expected):
-            row = int((mask != expected).any(dim=1).nonzero()[0])
-            return (f"asked for {len(positions)} queries over {n_keys} keys, the query at {int(positions[row])} sees "
-                    f"keys {mask[row].nonzero().flatten().tolist()}, promised {expected[row].nonzero().flatten().tolist()}")
+    rows = token_ids(config.vocab_size, (2, n), seed)
+    for layer in range(config.n_layer):
+        expected = [promised_mask(config, n, layer, row.tolist()) for row in rows]  # each (n, n)
+        for positions, n_keys in asks:
+            mask = model_py.can_attend(positions[:, None], torch.arange(n_keys), config, layer, rows[:, :n_keys])
+            mask = torch.broadcast_to(mask, (len(rows), 1, len(positions), n_keys))[:, 0]  # (rows, queries, keys)
+            for row, (got, promise) in enumerate(zip(mask, expected)):
+                promise = promise[positions, :n_keys]
+                if not torch.equal(got, promise):
+                    i = int((got != promise).any(dim=1).nonzero()[0])
+                    return (f"layer {layer}, token row {row}, asked for {len(positions)} queries over {n_keys} keys: "
+                            f"the query at {int(positions[i])} sees keys {got[i].nonzero().flatten().tolist()}, promised "
+                            f"{promise[i].nonzero().flatten().tolist()}")
     return None
+
+
+def silenced_but(model, layer):
+    """A copy of model in which every block but `layer` adds nothing to the residual stream (its o_proj and
+    down_proj zeroed): the logits then show what that one layer's attention reads, whatever the others' rules."""
+    copy_ = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, block in enumerate(copy_.layers):
+            if i != layer:
+                for linear in (block.self_attn.o_proj, block.mlp.down_proj):
+                    for param in linear.parameters():
+                        param.zero_()
+    return copy_
 
 
 @torch.no_grad()
 def visible_keys_error(model, seed=4):
-    """What the model does vs what its settings promise, through every path: in a one-layer copy, changing the
-    token at key k must move the logits at query q (k != q) exactly when the promise says q sees k. Returns the
-    largest move of a hidden key, or 1 if some visible key moved them less than BROKEN; 0 when the outputs keep
-    the promise. Weights of std 0.2, not 0.4: softer attention, so that every visible key weighs (moves >= 1e-2)."""
-    one_layer = randomize_(GPT(replace(model.config, n_layer=1)), seed, std=0.2).to(device_of(model))
+    """What the model does vs what its settings promise, through every path and in every layer (the others
+    silenced): changing the token at key k must move the logits at query q (k != q) exactly when the promise says q
+    sees k, and q sees the same keys before and after the change (a rule of the tokens may change which). Returns the
+    largest move of a hidden key, or 1 if some visible key moved them less than BROKEN; 0 when the outputs keep the
+    promise. Weights of std 0.2, not 0.4: softer attention, so that every visible key weighs (moves >= 1e-2)."""
+    soft = randomize_(GPT(model.config), seed, std=0.2).to(device_of(model))
     T = model.config.block_size
-    idx = tokens(one_layer, (1, T), seed).repeat(T + 1, 1)  # row 0 as drawn, row 1 + k with the token at k changed
+    idx = tokens(soft, (1, T), seed).repeat(T + 1, 1)  # row 0 as drawn, row 1 + k with the token at k changed
     keys = torch.arange(T)
     idx[keys + 1, keys] = (idx[keys + 1, keys] + 1) % model.config.vocab_size
+    rows = idx.tolist()
     own = torch.eye(T, dtype=torch.bool)  # a query's own token always moves its logits: left out
-    promise = promised_mask(model.config, range(T), T) & ~own  # (q, k)
     worst = 0.0
-    for path in PATHS:
-        logits = logits_through(one_layer, idx, path, seed)  # (1 + T, T, vocab)
-        scale = max(1.0, logits[0].abs().max().item())
-        moved = ((logits[1:] - logits[:1]).abs().amax(dim=-1) / scale).T.cpu()  # (q, k): query q, token k changed
-        hidden = moved[~promise & ~own]
-        worst = max(worst, hidden.max().item(), 1.0 if (moved[promise] <= BROKEN).any() else 0.0)
+    for layer in range(model.config.n_layer):
+        one_layer = silenced_but(soft, layer)
+        before = promised_mask(model.config, T, layer, rows[0])  # (q, k)
+        same_keys = torch.stack([(promised_mask(model.config, T, layer, rows[1 + k]) == before).all(dim=1)
+                                 for k in range(T)], dim=1)  # (q, k): q sees the same keys with token k changed
+        promise, hidden = before & same_keys & ~own, ~before & same_keys & ~own
+        for path in PATHS:
+            logits = logits_through(one_layer, idx, path, seed)  # (1 + T, T, vocab)
+            scale = max(1.0, logits[0].abs().max().item())
+            moved = ((logits[1:] - logits[:1]).abs().amax(dim=-1) / scale).T.cpu()  # (q, k): query q, token k changed
+            worst = max(worst, moved[hidden].max().item(), 1.0 if (moved[promise] <= BROKEN).any() else 0.0)
     return worst
 
 
@@ -466,39 +520,126 @@ def test_export_round_trip_is_exact_or_refused(name, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
+# A rule may depend on the layer and on the tokens: its promise is checked on every layer and for the tokens at hand.
+# Stood in for here by patched rules and promises (as an edit of model.py and of VISIBLE_KEYS would be) on a model
+# whose window covers the whole sequence, so that every path builds the mask from the rule.
+
+SEPARATOR = 1  # one of token_ids' frequent small ids
+
+
+def window_in_even_layers(query_pos, key_pos, config, layer, tokens):  # per-layer windows: odd layers see it all
+    window = config.window if layer % 2 == 0 else 0
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=window), layer, tokens)
+
+
+def window_in_even_layers_promised(query, key, window, visible, layer, tokens):
+    return visible and (window == 0 or layer % 2 == 1 or key > query - window)
+
+
+def documents(query_pos, key_pos, config, layer, tokens):
+    """Document masking: a query sees no key before a SEPARATOR at or before it (a separator ends its document)."""
+    separators = (tokens == SEPARATOR).long()
+    before = separators.cumsum(-1) - separators  # (B, S): the separators before each position
+    same_document = before[:, query_pos] == before[:, None, key_pos]  # (B, T, S)
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, config, layer, tokens) & same_document[:, None]  # (B, 1, T, S)
+
+
+def documents_promised(query, key, window, visible, layer, tokens):
+    return VISIBLE_KEYS_WINDOW(query, key, window, visible, layer, tokens) and SEPARATOR not in tokens[key:query]
+
+
+def separator_in_the_next_document(query_pos, key_pos, config, layer, tokens):
+    """Off by one at a document's edge: the separator starts the next document instead of ending its own."""
+    separators = (tokens == SEPARATOR).long().cumsum(-1)
+    same_document = separators[:, query_pos] == separators[:, None, key_pos]
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, config, layer, tokens) & same_document[:, None]
+
+
+def documents_forgotten_when_decoding(query_pos, key_pos, config, layer, tokens):
+    """The token rule on every path but single-token decoding."""
+    rule = ORIGINAL_CAN_ATTEND if query_pos.numel() == 1 else documents
+    return rule(query_pos, key_pos, config, layer, tokens)
+
+
+VISIBLE_KEYS_WINDOW = VISIBLE_KEYS["window"]
+EDITS = {  # an edit of the rule, its promise: every invariant holds
+    "per_layer_windows": (window_in_even_layers, window_in_even_layers_promised, 5),
+    "documents": (documents, documents_promised, 48),  # a window as long as the sequence: the rule alone
+}
+
+
+def every_invariant(model):
+    return dict(mask_vs_promise=mask_vs_promise(model.config), cache_vs_full=cache_vs_full(model),
+                static_vs_growing=static_vs_growing(model), fast_path_vs_mask=fast_path_vs_mask(model),
+                receptive_field=receptive_field_error(model), visible_keys=visible_keys_error(model))
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_rule_of_the_layer_or_the_tokens_keeps_its_promise(edit, monkeypatch):
+    rule, promise, window = EDITS[edit]
+    monkeypatch.setattr(model_py, "can_attend", rule)
+    monkeypatch.setitem(VISIBLE_KEYS, "window", promise)
+    model = randomize_(GPT(replace(config("window_gqa"), window=window)), seed=0)
+    results = every_invariant(model)
+    assert results.pop("mask_vs_promise") is None
+    assert all(error < TOL for error in results.values()), results
+    if edit == "documents":  # the tokens do hold separators, and they cut: the model is no longer plain causal
+        monkeypatch.setattr(model_py, "can_attend", ORIGINAL_CAN_ATTEND)
+        assert visible_keys_error(model) > BROKEN
+
+
+@pytest.mark.parametrize("bug, caught_by", [(separator_in_the_next_document, "mask_vs_promise"),
+                                            (separator_in_the_next_document, "visible_keys"),
+                                            (documents_forgotten_when_decoding, "cache_vs_full")])
+def test_a_planted_bug_in_a_rule_of_the_tokens_is_caught(bug, caught_by, monkeypatch):
+    monkeypatch.setitem(VISIBLE_KEYS, "window", documents_promised)
+    monkeypatch.setattr(model_py, "can_attend", bug)
+    model = randomize_(GPT(replace(config("window_gqa"), window=48)), seed=0)
+    result = every_invariant(model)[caught_by]
+    assert (result is not None) if caught_by == "mask_vs_promise" else result > BROKEN, result
+
+
+# ----------------------------------------------------------------------------------------------------
 # The suite is live: a planted bug in the mask rule is caught
 
 
-ORIGINAL_CAN_ATTEND = model_py.can_attend
+ORIGINAL_CAN_ATTEND = model_py.can_attend  # each planted bug passes on whatever else the rule is given (*rest)
 
 
-def hide_previous_key_when_decoding(query_pos, key_pos, config):
+def hide_previous_key_when_decoding(query_pos, key_pos, config, *rest):
     """Off by one for a single query only (token-by-token decoding): it loses the key just before it."""
-    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config)
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config, *rest)
     return visible & (key_pos != query_pos - 1) if query_pos.numel() == 1 else visible
 
 
-def see_next_key_when_decoding(query_pos, key_pos, config):
+def see_next_key_when_decoding(query_pos, key_pos, config, *rest):
     """Off by one for a single query only: it also sees the slot after it (only a static cache has one)."""
-    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config)
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config, *rest)
     return visible | (key_pos == query_pos + 1) if query_pos.numel() == 1 else visible
 
 
-def hide_first_key_in_chunks(query_pos, key_pos, config):
+def hide_first_key_in_chunks(query_pos, key_pos, config, *rest):
     """Wrong for several queries only: all but the first lose key 0; is_causal does not ask can_attend."""
-    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config)
+    visible = ORIGINAL_CAN_ATTEND(query_pos, key_pos, config, *rest)
     return visible & ((key_pos != 0) | (query_pos == 0)) if query_pos.numel() > 1 else visible
 
 
-def window_one_too_wide(query_pos, key_pos, config):
+def window_one_too_wide(query_pos, key_pos, config, *rest):
     """The same wrong window on every path: the cache invariants cannot see it, the receptive field can."""
-    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=config.window + 1) if config.window else config)
+    wider = replace(config, window=config.window + 1) if config.window else config
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, wider, *rest)
 
 
-def window_forgotten(query_pos, key_pos, config):
+def window_forgotten(query_pos, key_pos, config, *rest):
     """A setting the rule ignores on every path alike (as an attention-sinks rule that does nothing would be): the
     paths agree with each other, and only what the setting promises can tell."""
-    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0))
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0), *rest)
+
+
+def window_forgotten_in_the_last_layer(query_pos, key_pos, config, layer, tokens):
+    """One layer's rule wrong, on every path alike: only a check of every layer's promise can tell."""
+    last = layer == config.n_layer - 1
+    return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0) if last else config, layer, tokens)
 
 
 def receptive_field_error(model):
@@ -507,22 +648,34 @@ def receptive_field_error(model):
     return max(outside, 1.0 if edge <= BROKEN else 0.0)
 
 
-BREAKS = {  # a planted bug -> the invariant that must catch it
-    "hide_previous_key_when_decoding": (hide_previous_key_when_decoding, cache_vs_full),
-    "see_next_key_when_decoding": (see_next_key_when_decoding, static_vs_growing),
-    "hide_first_key_in_chunks": (hide_first_key_in_chunks, fast_path_vs_mask),
-    "window_one_too_wide": (window_one_too_wide, receptive_field_error),
-    "window_forgotten": (window_forgotten, visible_keys_error),
+BREAKS = {  # a planted bug -> the invariants that must catch it (one of them, for some config)
+    "hide_previous_key_when_decoding": (hide_previous_key_when_decoding, [cache_vs_full]),
+    "see_next_key_when_decoding": (see_next_key_when_decoding, [static_vs_growing]),
+    "hide_first_key_in_chunks": (hide_first_key_in_chunks, [fast_path_vs_mask]),
+    # the receptive field sees it unless some layer sees everything (per-layer windows); each layer's keys always
+    "window_one_too_wide": (window_one_too_wide, [receptive_field_error, visible_keys_error]),
+    "window_forgotten": (window_forgotten, [visible_keys_error]),
+    "window_forgotten_in_the_last_layer": (window_forgotten_in_the_last_layer, [visible_keys_error]),
+}
+HELPERS = {  # what each invariant derives its expectation from, for the self-test's message
+    cache_vs_full: "cache_vs_full (a full forward)", static_vs_growing: "static_vs_growing (the growing cache)",
+    fast_path_vs_mask: "fast_path_vs_mask (the mask path)",
+    receptive_field_error: "receptive_field (reached_by_a_change, from VISIBLE_KEYS)",
+    visible_keys_error: "visible_keys_error (silenced_but and promised_mask, from VISIBLE_KEYS)",
 }
 
 
 @pytest.mark.parametrize("bug", BREAKS)
 def test_a_planted_mask_bug_is_caught(bug, monkeypatch, device):
-    broken, invariant = BREAKS[bug]
+    broken, invariants = BREAKS[bug]
     models = {name: build(name, device) for name in NAMES}
-    failing = [name for name, m in models.items() if invariant(m) >= TOL]  # model.py's own rule, nothing planted
-    assert not failing, (f"model.py as it is fails {invariant.__name__} on {', '.join(failing)} before any bug is "
-                         f"planted: fix model.py (that invariant's own test fails too); this self-test is fine")
+    for invariant in invariants:
+        failing = [name for name, m in models.items() if invariant(m) >= TOL]  # model.py's own rule, nothing planted
+        assert not failing, (f"model.py as it is fails {invariant.__name__} on {', '.join(failing)} before any bug is "
+                             f"planted, so this self-test cannot plant one. Either model.py breaks that invariant (its "
+                             f"own test fails too: fix model.py), or the expectation is what is wrong: the helper "
+                             f"{HELPERS[invariant]} in tests/test_invariants.py, or your setting's promise in "
+                             f"VISIBLE_KEYS, does not describe the rule you meant")
     monkeypatch.setattr(model_py, "can_attend", broken)  # attention looks it up at call time
-    errors = {name: invariant(m) for name, m in models.items()}
+    errors = {name: max(invariant(m) for invariant in invariants) for name, m in models.items()}
     assert max(errors.values()) > BROKEN, errors  # caught for at least one config

@@ -50,7 +50,8 @@ def test_attention_matches_formula(kind, n_cached, T, device):
     k = torch.randn(B, HEADS[kind], n_cached + T, hd, device=device)
     v = torch.randn(B, HEADS[kind], n_cached + T, hd, device=device)
     expected = attention_by_hand(q, k, v, n_cached)
-    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T, device=device), tiny_config())
+    positions = Positions(torch.arange(n_cached, n_cached + T, device=device), hd, 1e4)
+    actual = attention(q, k, v, positions, tiny_config(), 0)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -63,7 +64,8 @@ def test_static_attention_over_whole_cache_matches_formula(kind, T, device):
     q = torch.randn(B, 4, T, hd, device=device)
     k, v = (torch.randn(B, HEADS[kind], max_len, hd, device=device) * 5 for _ in range(2))
     expected = attention_by_hand(q, k[:, :, :n_cached + T], v[:, :, :n_cached + T], n_cached)
-    actual = attention(q, k, v, torch.arange(n_cached, n_cached + T, device=device), tiny_config())
+    positions = Positions(torch.arange(n_cached, n_cached + T, device=device), hd, 1e4)
+    actual = attention(q, k, v, positions, tiny_config(), 0)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

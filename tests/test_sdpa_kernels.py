@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import model as model_py  # the module: tests swap its attention
 from gpt import sdpa  # the module: tests swap its sdpa_fuses_gqa
 from gpt.sdpa import sdpa_fuses_gqa
-from model import GPT, GPTConfig, attention
+from model import GPT, GPTConfig, Positions, attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -108,12 +108,12 @@ def test_repeated_kv_equals_enable_gqa_with_gradients(case, n_kv_head, monkeypat
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(B, 4, T, hd, generator=generator)
     k, v = (torch.randn(B, n_kv_head, n_cached + T, hd, generator=generator) for _ in range(2))
-    positions = torch.arange(n_cached, n_cached + T)
+    positions = Positions(torch.arange(n_cached, n_cached + T), hd, 10000.0)
     target = torch.randn(B, 4, T, hd, generator=generator)
 
     def output_and_grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        y = attention(*leaves, positions, config)
+        y = attention(*leaves, positions, config, 0)
         (y * target).sum().backward()
         return [y.detach()] + [t.grad for t in leaves]
 
@@ -148,25 +148,14 @@ def test_model_loss_and_gradients_equal_with_repeated_kv(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------------
-# On the CPU the model makes the very calls it made before the fix
-
-
-def attention_before(q, k, v, positions, config, dropout_p=0.0):
-    """model.attention before grouped-query attention went to fused kernels, word for word: the CPU's calls to keep."""
-    B, n_head, T, head_dim = q.shape
-    n_kv_head, S = k.size(1), k.size(2)
-    if config.window == 0 and T == S:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
-    mask = model_py.can_attend(positions[:, None], torch.arange(S, device=q.device), config)  # (T, S)
-    if T == 1:
-        y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
-                                           attn_mask=mask, dropout_p=dropout_p)
-        return y.view(B, n_head, 1, head_dim)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=n_head != n_kv_head)
+# On the CPU the model keeps grouped-query attention in SDPA's own hands: k and v never repeated
 
 
 @pytest.mark.parametrize("window", [0, 5])
-def test_cpu_calls_are_unchanged(window, monkeypatch):
+def test_cpu_calls_keep_grouped_query_attention(window, monkeypatch):
+    """Each path's SDPA call on the CPU, as the fix for CUDA left it: a whole sequence is_causal (no window) with
+    enable_gqa and 2 kv heads; a chunk masked, with enable_gqa and 2 kv heads; one token as query rows of its kv
+    group (q (B, n_kv, group, hd)), unrepeated; and no CUDA property asked for."""
     def no_cuda_query(*args, **kwargs):
         raise AssertionError("attention asked for CUDA properties on the CPU")
 
@@ -174,27 +163,20 @@ def test_cpu_calls_are_unchanged(window, monkeypatch):
     torch.manual_seed(0)
     model = GPT(tiny_config(window=window)).eval()
     idx = torch.randint(0, 61, (2, 20))
-
-    def run():  # a full sequence, then through the cache: a prefix, a chunk after it, two decode steps
-        with torch.no_grad():
-            logits = [model(idx)[0]]
-            cache = model.new_kv_cache(batch_size=2, max_len=20)
-            logits += [model(idx[:, a:b], kv_cache=cache)[0] for a, b in [(0, 8), (8, 14), (14, 15), (15, 16)]]
-        return logits
-
-    recorded = recording_sdpa(monkeypatch)
-    logits, calls = run(), list(recorded)
-    recorded.clear()
-    monkeypatch.setattr(model_py, "attention", attention_before)
-    logits_before, calls_before = run(), list(recorded)
-    assert len(calls) == len(calls_before) == 2 * 5  # two layers, five forwards
-    for call, before in zip(calls, calls_before):
-        mask, mask_before = call.pop("attn_mask", None), before.pop("attn_mask", None)
-        assert call == before
-        assert (mask is None and mask_before is None) or torch.equal(mask, mask_before)
-    assert sum(c.get("enable_gqa", False) for c in calls) == 2 * 3  # GQA kept: every forward of more than one token
-    for a, b in zip(logits, logits_before):
-        assert torch.equal(a, b)  # the same calls: bit for bit the same logits
+    calls = recording_sdpa(monkeypatch)
+    with torch.no_grad():  # a full sequence, then through the cache: a prefix, a chunk after it, two decode steps
+        model(idx)
+        cache = model.new_kv_cache(batch_size=2, max_len=20)
+        for a, b in [(0, 8), (8, 14), (14, 15), (15, 16)]:
+            model(idx[:, a:b], kv_cache=cache)
+    assert len(calls) == 2 * 5  # two layers, five forwards
+    for call, (T, S) in zip(calls, [(T, S) for T, S in [(20, 20), (8, 8), (6, 14), (1, 15), (1, 16)] for _ in "ab"]):
+        masked = window > 0 or T != S
+        assert ("attn_mask" in call) == masked and call.get("is_causal", False) == (not masked)
+        if T == 1:  # 4 query heads on 2 kv heads: 2 kv groups of 2 query rows each
+            assert call["q"] == (2, 2, 2, 8) and call["k"] == (2, 2, S, 8) and "enable_gqa" not in call
+        else:
+            assert call["q"] == (2, 4, T, 8) and call["k"] == call["v"] == (2, 2, S, 8) and call["enable_gqa"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,8 +194,8 @@ def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
     try:
         compiled = torch.compile(model_py.attention, backend="eager", fullgraph=True)  # a graph break would raise
         for T, S in [(6, 6), (6, 17)]:  # is_causal, then a chunk after a cached prefix with a mask
-            positions = torch.arange(S - T, S)
-            torch.testing.assert_close(compiled(q[:, :, :T], k[:, :, :S], v[:, :, :S], positions, config),
-                                       attention_before(q[:, :, :T], k[:, :, :S], v[:, :, :S], positions, config))
+            positions = Positions(torch.arange(S - T, S), 8, 10000.0)
+            args = (q[:, :, :T], k[:, :, :S], v[:, :, :S], positions, config, 0)
+            torch.testing.assert_close(compiled(*args), model_py.attention(*args))
     finally:
         torch._dynamo.reset()
