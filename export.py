@@ -9,9 +9,9 @@ and its parameter names are the Hugging Face ones without the "model." prefix, s
 a config.json. Nothing is exported approximately. A setting with no counterpart (a GELU MLP, a sliding
 window...) is refused with the reason; then what is written is checked against the architecture itself:
 the exact tensor names and shapes a Llama or Qwen3 of that config has, and, when transformers is installed,
-its logits on one batch against ours. An edited model.py that no longer computes a Llama (learned positions,
-LayerNorm...) is refused there, and no folder is left behind. Weights are safetensors: loading them never
-runs code, unlike a pickle.
+its logits against ours on batches that hold every token id (each twice in a row). An edited model.py that
+no longer computes a Llama (learned positions, LayerNorm, a separator in the mask rule...) is refused there,
+and no folder is left behind. Weights are safetensors: loading them never runs code, unlike a pickle.
 """
 
 import os

@@ -4,7 +4,7 @@ bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3
 names are the Hugging Face ones without the "model." prefix, so a conversion is renaming plus a config.json; nothing
 converts approximately. A setting with no counterpart is refused with the reason; an export is then checked against
 the architecture itself (the tensor names and shapes it has and, where transformers is installed, its logits on
-one batch), so an edited model.py that no longer computes a Llama leaves no folder behind.
+batches that hold every token id), so an edited model.py that no longer computes a Llama leaves no folder behind.
 """
 
 import json
@@ -214,9 +214,21 @@ def our_logits(model, idx):
     return full
 
 
+def check_batches(vocab_size, block_size, rows=16):
+    """The token batches (at most rows x T, T = min(block_size, 64)) the logits are compared on: every token id
+    twice in a row ((t, t)), so that each id, and each id as a two-token separator, occurs with text after it,
+    in a random order (fixed seed), the last row filled with random ids. A rule of the tokens hard-coded in
+    model.py (a separator, the end-of-text id) then changes some logits here, whichever ids it names."""
+    generator = torch.Generator().manual_seed(0)
+    T = min(block_size, 64)
+    ids = torch.randperm(vocab_size, generator=generator).repeat_interleave(2)  # (2V,): t, t for every id t
+    fill = torch.randint(0, vocab_size, (-len(ids) % T,), generator=generator)
+    return torch.cat([ids, fill]).view(-1, T).split(rows)
+
+
 def check_logits(model, folder):
-    """UserError unless transformers, loading folder, computes our model's logits on one batch; False when
-    transformers is not installed (nothing checked)."""
+    """UserError unless transformers, loading folder, computes our model's logits on check_batches (our logits
+    through every attention path on the first); False when transformers is not installed (nothing checked)."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
@@ -224,17 +236,19 @@ def check_logits(model, folder):
         return False
     logging.disable_progress_bar()  # its weight-loading bar would be the export's only stderr output
     theirs = AutoModelForCausalLM.from_pretrained(folder).float().eval()
-    idx = torch.randint(0, model.config.vocab_size, (2, min(64, model.config.block_size)),
-                        generator=torch.Generator().manual_seed(0))
     was_training = model.training
-    expected = our_logits(model.eval(), idx)
-    model.train(was_training)
-    with torch.no_grad():
-        actual = theirs(idx).logits
-    difference = (expected - actual).abs().max().item()
-    if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
-        raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
-                        f"(max difference {difference:.3g}): the model is not one it can represent")
+    try:
+        model.eval()
+        for i, idx in enumerate(check_batches(model.config.vocab_size, model.config.block_size)):
+            with torch.no_grad():
+                expected = our_logits(model, idx) if i == 0 else model(idx)[0]
+                actual = theirs(idx).logits
+            difference = (expected - actual).abs().max().item()
+            if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
+                raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
+                                f"(max difference {difference:.3g}): the model is not one it can represent")
+    finally:
+        model.train(was_training)
     return True
 
 

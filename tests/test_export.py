@@ -30,6 +30,7 @@ from gpt import UserError
 from gpt.checkpoint import load_model  # noqa: E402
 from gpt.hf import export_hf, gpt_config, hf_config, load_hf, tokenizer_json  # noqa: E402
 from gpt.tokenizer import Tokenizer, named_encoding  # noqa: E402
+import model as model_py  # noqa: E402  (the module: tests swap its rule)
 from model import GPT, GPTConfig, rope  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -402,17 +403,43 @@ def interleaved_rope(x, positions):
     return turned.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
 
 
+def documents_hard_coded(monkeypatch, ends):
+    """Document masking written into model.py with no setting (nothing for export to refuse by name): can_attend
+    hides keys before a document's end, ends(tokens) (B, S) bool, and attention always builds the mask (the
+    is_causal shortcut would skip the rule; a window as long as the model's context changes nothing else)."""
+    rule, attend = model_py.can_attend, model_py.attention
+
+    def can_attend(query_pos, key_pos, config, layer, tokens):
+        end = ends(tokens).long()
+        before = end.cumsum(-1) - end  # (B, S): the ends before each position
+        same_document = before[:, query_pos] == before[:, None, key_pos]  # (B, T, S)
+        return rule(query_pos, key_pos, config, layer, tokens) & same_document[:, None]
+
+    def attention(q, k, v, positions, config, *args):
+        return attend(q, k, v, positions, dataclasses.replace(config, window=config.block_size), *args)
+
+    monkeypatch.setattr(model_py, "can_attend", can_attend)
+    monkeypatch.setattr(model_py, "attention", attention)
+
+
+def after_the_pair_1_1(tokens):  # (1, 1) ends a document: the edit export once passed as a plain Qwen3
+    return (tokens == 1) & (tokens.roll(1, dims=-1) == 1) & (torch.arange(tokens.size(-1)) > 0)
+
+
 SAME_TENSORS_OTHER_MODEL = {
     "no_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", lambda x, positions: x),
     "interleaved_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", interleaved_rope),
     "layer_norm_without_bias": lambda model, monkeypatch: layer_norms(model, bias=False),
+    "documents_after_the_last_id": lambda model, monkeypatch: documents_hard_coded(monkeypatch, lambda t: t == 96),
+    "documents_after_the_pair_1_1": lambda model, monkeypatch: documents_hard_coded(monkeypatch, after_the_pair_1_1),
 }
 
 
 @pytest.mark.parametrize("edit", SAME_TENSORS_OTHER_MODEL)
 def test_export_refuses_a_model_with_a_llamas_tensors_that_computes_something_else(edit, monkeypatch, tmp_path):
-    """Exactly a Llama's tensors, but positions ignored, paired differently, or LayerNorm in place of RMSNorm:
-    transformers' logits from the written folder differ, the export is refused, and the temp folder it
+    """Exactly a Llama's tensors, but positions ignored, paired differently, LayerNorm in place of RMSNorm, or
+    documents masked after a token or a pair of tokens that one random batch would rarely hold: transformers'
+    logits from the written folder differ on the check's batches, the export is refused, and the temp folder it
     loaded them from is gone."""
     model = our_model("llama_like")
     SAME_TENSORS_OTHER_MODEL[edit](model, monkeypatch)
