@@ -2,6 +2,7 @@
 the model computes), rows sum to 1, the masked part is exactly 0, capturing changes nothing; the statistics
 by hand; the picture's panels; one-line errors."""
 
+import inspect
 import json
 import math
 import os
@@ -77,15 +78,18 @@ def test_an_edited_rule_shows_in_the_map(monkeypatch):
         assert torch.all(w.diagonal(offset=-1, dim1=-2, dim2=-1) == 0) and torch.all(w.diagonal(dim1=-2, dim2=-1) > 0)
 
 
-def alibi_attention(q, k, v, positions, config, layer, dropout_p=0.0):
+def alibi_attention(*args, **kwargs):
     """ALiBi in place of model.attention: each head's scores get -slope * (query - key), slopes 1/2, 1/4, ..., added
-    through SDPA's float mask (-inf after the query)."""
+    through SDPA's float mask (-inf after the query). Its arguments are found by name in model.attention's own
+    signature, so an edit of that signature needs no edit here."""
+    given = inspect.signature(ATTENTION).bind(*args, **kwargs).arguments
+    q, k, v, positions = given["q"], given["k"], given["v"], given["positions"]
     n_head, group = q.size(1), q.size(1) // k.size(1)
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     distance = (positions.ids[:, None] - torch.arange(k.size(2))).float()  # (T, S)
     slopes = 2.0 ** -torch.arange(1, n_head + 1.0)
     bias = (-slopes[:, None, None] * distance).masked_fill(distance < 0, float("-inf"))  # (nh, T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 def doubled_scores(q, k, v, *args, **kwargs):  # sharper attention: every score doubled

@@ -5,6 +5,7 @@ including a model.py edited into another architecture (imitated here on model in
 """
 
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -415,8 +416,11 @@ def documents_hard_coded(monkeypatch, ends):
         same_document = before[:, query_pos] == before[:, None, key_pos]  # (B, T, S)
         return rule(query_pos, key_pos, config, layer, tokens) & same_document[:, None]
 
-    def attention(q, k, v, positions, config, *args):
-        return attend(q, k, v, positions, dataclasses.replace(config, window=config.block_size), *args)
+    def attention(*args, **kwargs):  # model.attention's arguments by name: its signature is not copied here
+        given = inspect.signature(attend).bind(*args, **kwargs)
+        config = given.arguments["config"]
+        given.arguments["config"] = dataclasses.replace(config, window=config.block_size)
+        return attend(*given.args, **given.kwargs)
 
     monkeypatch.setattr(model_py, "can_attend", can_attend)
     monkeypatch.setattr(model_py, "attention", attention)
