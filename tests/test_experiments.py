@@ -3,6 +3,7 @@ nor the causal mask is permutation-equivariant, with either it is not; scaling.p
 sqrt(head_dim) and saturate the softmax, scaled ones stay ~1), the measuring functions checked against the
 model's own attention, the patches undone, and both commands run end to end on a tiny checkpoint."""
 
+import inspect
 import math
 import re
 
@@ -69,6 +70,18 @@ def test_the_stand_ins_are_no_rope_and_no_mask_and_are_undone():
     with pytest.raises(RuntimeError), position.positions_and_mask(rope=False, mask=False):
         raise RuntimeError  # an error inside still restores them
     assert model_py.rope is rope and model_py.attention is attend
+
+
+def test_the_no_mask_stand_in_follows_an_edited_signature_of_attention(monkeypatch):
+    """An edit that gives model.attention another parameter (here a bias, before dropout_p) needs no edit of
+    position.py: its stand-in finds q, k, v and dropout_p by name in the signature, as the model passes them."""
+    def edited(q, k, v, positions, config, layer, bias=None, dropout_p=0.0):
+        raise AssertionError("only its signature is read")
+
+    monkeypatch.setattr(position, "ATTENTION_SIGNATURE", inspect.signature(edited))
+    q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(0)).unbind(0)
+    unmasked = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1) @ v
+    assert torch.allclose(position.unmasked_attention(q, k, v, None, None, 0, None, 0.0), unmasked, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------
