@@ -54,11 +54,12 @@ def test_weights_times_v_are_the_models_attention_output(name, device):
     assert torch.equal(logits, plain)  # capturing changes nothing
     config, (B, T) = model.config, idx.shape
     positions = torch.arange(T, device=device)
-    visible = can_attend(positions[:, None], positions[None, :], config, 0, idx)
-    for w, v, y in zip(weights, values, outputs, strict=True):
+    for layer, (w, v, y) in enumerate(zip(weights, values, outputs, strict=True)):
         assert w.shape == (B, config.n_head, T, T)
         assert torch.allclose(w.sum(-1), torch.ones(B, config.n_head, T, device=device), atol=1e-6)
-        assert torch.all(w[..., ~visible] == 0) and torch.all(w[..., visible] > 0)
+        visible = can_attend(positions[:, None], positions[None, :], config, layer, idx)  # (T, T) or (B, 1, T, T)
+        visible = torch.broadcast_to(visible, w.shape)
+        assert torch.all(w[~visible] == 0) and torch.all(w[visible] > 0)
         v = v.view(B, T, config.n_kv_head, config.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         v = v.repeat_interleave(config.n_head // config.n_kv_head, dim=1)  # query head h reads kv head h // group
         mixed = (w @ v).transpose(1, 2).reshape(B, T, -1)
