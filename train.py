@@ -113,6 +113,7 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     shared_cpu = share_cpu(settings["threads"], device_type, master)
+    settings, note = split_over_processes(settings, world_size)  # saved as it ran
     micro_steps = micro_steps_per_process(settings, world_size)
     if settings["max_seconds"] and world_size > 1:  # each process's clock would set its own learning rate
         raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
@@ -149,6 +150,8 @@ def train(settings, run_dir):
     log = Log(settings["max_iters"], master, iter_num, mfu)
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
             f"{world_size} process(es) on {device}, {ptdtype}")
+    if note:
+        log.say(note)
     timer = StepTimer(device_type, backend is not None, tokens_per_iter, elapsed)
 
     def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
@@ -250,6 +253,22 @@ def share_cpu(threads, device_type, master):
     if note and master:
         print(note)
     return shared_cpu
+
+
+def split_over_processes(settings, world_size):
+    """(settings, a note or None): where each process's share of the global batch is less than batch_size, each runs
+    its share in one micro-step, the global batch kept as total_batch_size (config/small.py's 6 sequences a step run
+    as 3 on each of 2 processes): a config runs as it is on any process count that divides its global batch."""
+    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
+    if total % block or (total and settings["gradient_accumulation_steps"] != 1):
+        return settings, None  # micro_steps_per_process says what is wrong
+    sequences = total // block if total else batch * settings["gradient_accumulation_steps"]  # per step, all processes
+    share, left = divmod(sequences, world_size)
+    if left or not 0 < share < batch:
+        return settings, None
+    note = (f"the global batch of {sequences} sequences of {block} tokens is {share} on each of {world_size} "
+            f"processes: batch_size {share} here")
+    return dict(settings, batch_size=share, total_batch_size=sequences * block, gradient_accumulation_steps=1), note
 
 
 def micro_steps_per_process(settings, world_size):

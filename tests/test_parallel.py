@@ -77,13 +77,14 @@ def runs(workdir, tmp_path_factory):
                            ("single_3", "single_3_fsdp"), ("fsdp_3", "fsdp_3_fsdp_ac")):
         subprocess.run(["cp", "-r", dirs[source], dirs[target]], check=True)
     resume = ["--max_iters=6", "--init_from=resume"]
-    # DDP's global batch given in tokens (train.micro_steps_per_process), the others' in micro-steps: 2 x 4 x 32
-    ddp_batch = ["--gradient_accumulation_steps=1", "--total_batch_size=256"]
+    # DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
+    # (train.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
+    ddp_batch = ["--gradient_accumulation_steps=1", "--batch_size=8"]
     with torchrun(workdir, dirs["ddp"], logs["ddp"], "--max_iters=6", *ddp_batch) as ddp, \
             torchrun(workdir, dirs["fsdp_3_fsdp"], logs["fsdp_3_fsdp"], *resume, "--fsdp=True") as fsdp_resumed:
         with in_dir(workdir):
             train.main(RUN + [f"--out_dir={dirs['fsdp_3_single']}", *resume])
-        finish(ddp, logs["ddp"])
+        assert "the global batch of 8 sequences of 32 tokens is 4 on each of 2 processes" in finish(ddp, logs["ddp"])
         finish(fsdp_resumed, logs["fsdp_3_fsdp"])
     with torchrun(workdir, dirs["single_3_fsdp"], logs["single_3_fsdp"], *resume, "--fsdp=True") as proc, \
             torchrun(workdir, dirs["fsdp_3_ddp"], logs["fsdp_3_ddp"], *resume) as ddp_resumed:
@@ -96,7 +97,7 @@ def runs(workdir, tmp_path_factory):
 
 
 def test_fsdp_ddp_and_one_process_train_the_same_model(runs):
-    """The same global batch (2 processes x 1 micro-step, or 1 x 2; DDP's set as total_batch_size), the same losses
+    """The same global batch (2 processes x 1 micro-step, or 1 x 2; DDP's split from one micro-step), the same losses
     and final weights within 1e-5 (fp32; the sums run in another order). Measured: 7.3e-6 at most in the weights
     after 6 AdamW steps."""
     assert_same_run(runs["fsdp"], runs["single"], 1e-5)
@@ -559,11 +560,12 @@ def test_torchrun_on_mps_is_one_line_on_every_rank(workdir, tmp_path):  # noqa: 
 
 
 def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
+    """3 micro-steps of 4 sequences: 6 a process, more than one micro-step holds, in steps that 2 do not divide."""
     result = subprocess.run([*TORCHRUN, TRAIN, *TINY, *TWO_PROCESSES, f"--out_dir={tmp_path}",
-                             "--gradient_accumulation_steps=1"],
+                             "--gradient_accumulation_steps=3"],
                             cwd=workdir, capture_output=True, text=True, timeout=300,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and "--gradient_accumulation_steps=2" in errors[0], result.stderr
+    assert errors and "--gradient_accumulation_steps=4" in errors[0], result.stderr
     assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))

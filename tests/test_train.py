@@ -847,6 +847,28 @@ def test_a_global_batch_that_does_not_split_names_what_to_pass_and_that_works(wo
         assert counts and all(global_batch(settings, n) == settings["total_batch_size"] for n in counts)
 
 
+def small_settings():
+    from configurator import configure
+
+    with in_dir(ROOT):
+        return configure(train.DEFAULTS, ["config/small.py"])
+
+
+def test_config_small_runs_as_it_is_on_every_process_count_that_divides_its_batch():
+    """config/small.py (6 sequences a step, one micro-step) under torchrun: each of 1, 2, 3 or 6 processes takes its
+    share of the 6 in one micro-step, the global batch the same; 4 processes are refused, naming what works."""
+    settings = small_settings()
+    for world_size, share in ((1, 6), (2, 3), (3, 2), (6, 1)):
+        split, note = train.split_over_processes(settings, world_size)
+        assert split["batch_size"] == share and (note is None) == (world_size == 1)
+        assert train.micro_steps_per_process(split, world_size) == 1
+        assert global_batch(split, world_size) == 6 * 128
+    split, note = train.split_over_processes(settings, 4)
+    assert split == settings and note is None
+    with pytest.raises(UserError, match=r"pass --gradient_accumulation_steps=4"):
+        train.micro_steps_per_process(split, 4)
+
+
 def test_total_batch_size_and_accumulation_steps_together_are_refused():
     with pytest.raises(UserError, match="pass one of them"):
         train.micro_steps_per_process(gpt2_124m_settings(gradient_accumulation_steps=2), 1)
