@@ -120,7 +120,7 @@ def train(settings, run_dir):
     if settings["fsdp"]:
         from gpt.parallel import check_fsdp
 
-        check_fsdp(settings["optimizer"], settings["dtype"], "RANK" in os.environ, ptdtype)  # one process works too
+        check_fsdp(settings["dtype"], "RANK" in os.environ, ptdtype)  # one process works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (gpt/parallel.py)
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
     resuming = settings["init_from"] == "resume"
@@ -133,7 +133,8 @@ def train(settings, run_dir):
     model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], device, ptdtype,
                           backend)  # what the step calls
     optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
-                                 (settings["beta1"], settings["beta2"]), device_type)  # after FSDP's new parameters
+                                 (settings["beta1"], settings["beta2"]), device_type,
+                                 settings["fsdp"])  # after FSDP's new parameters
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
@@ -380,11 +381,11 @@ def prepare_model(model, activation_checkpointing, fsdp, device, ptdtype, backen
     return parallel.wrap_ddp(model, device) if dist.is_initialized() else model
 
 
-def make_optimizers(model, optimizer, weight_decay, betas, device_type):
+def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
     matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
     not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
-    every step (optimizer_step)."""
+    every step (optimizer_step). sharded: the matrices are FSDP's, whose rows Muon gathers (gpt/parallel.py)."""
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
     embeddings = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in
@@ -401,8 +402,11 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type):
     adamw = torch.optim.AdamW(groups, betas=betas, fused=device_type == "cuda")
     if optimizer == "adamw":
         return [adamw]
+    muon = torch.optim.Muon
+    if sharded:
+        from gpt.parallel import ShardedMuon as muon
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
-    return [adamw, torch.optim.Muon(hidden_matrices, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")]
+    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")]
 
 
 def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
