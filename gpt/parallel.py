@@ -66,7 +66,7 @@ class ShardedMuon(torch.optim.Muon):
     """torch.optim.Muon for FSDP's row-sharded matrices (DTensors), with Muon's state and numbers. Newton-Schulz needs
     a whole matrix: each matrix's update is gathered, orthogonalized by one rank (the matrices take turns, as
     nanochat and modded-nanogpt share Muon's work) and its rows sent back. torch.optim.Muon runs on DTensors too,
-    but splits every Newton-Schulz product into collectives: ten times slower a step on 2 CPU processes."""
+    but splits every Newton-Schulz product into collectives, many times slower a step (bench/RESULTS.md)."""
 
     @torch.no_grad()
     def step(self, closure=None):
