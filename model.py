@@ -9,10 +9,9 @@ The architecture, and the GPTConfig switch for each choice:
 - MLP: "swiglu" (Llama), "gelu" (GPT-2) or "relu2" (squared ReLU); biases, dropout, tied head optional.
 Which keys a query may see is one rule, can_attend, used by every attention path: a whole sequence
 (training), one new token against the KV cache (decoding), a chunk after a cached prefix (chunked prefill,
-speculative verification). It is told the layer and the tokens, so a rule may depend on them (per-layer windows,
-document masking): the KV cache keeps each slot's token id for it. bias=False, mlp="swiglu", window=0 is exactly
-a Llama (qk_norm=False) or a Qwen3 (qk_norm=True), with Hugging Face's module names (embed_tokens,
-layers.N.self_attn.q_proj, ...).
+speculative verification); it is told the layer and the tokens (per-layer windows, document masking). bias=False,
+mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=True), with Hugging Face's module
+names (embed_tokens, layers.N.self_attn.q_proj, ...).
 """
 
 import math
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card
+from gpt.sampling import sample_next_token  # choosing a token from logits, for generate
 
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 
@@ -104,9 +104,8 @@ def rope(x, positions):
 
 def can_attend(query_pos, key_pos, config, layer, tokens):
     """The mask rule, for every attention path: True where the query at query_pos may see the key at key_pos
-    (tensors that broadcast) in layer `layer` (an int), the token ids at key positions 0 .. S-1 being tokens (B, S).
-    Causal: no key after the query; with a window, none window or more before it. A rule that reads tokens returns
-    (B, 1, T, S) (one mask per sequence, for every head); one that reads only positions, (T, S)."""
+    (tensors that broadcast) in layer `layer`, tokens (B, S) being the ids at key positions 0 .. S-1. Causal: no key
+    after the query; with a window, none window or more before it. (T, S), or (B, 1, T, S) from a rule of the tokens."""
     visible = key_pos <= query_pos
     if config.window:
         visible = visible & (key_pos > query_pos - config.window)
@@ -162,15 +161,9 @@ class KVCache:
         self.k[index], self.v[index] = k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)  # indexed dims first: (T, B, n_kv, hd)
         return self.k[layer], self.v[layer]
 
-    def update_tokens(self, idx, positions):
-        """Write the token ids idx (B, T) at positions (T,), as update does k and v; return the ids of the slots
-        attention reads (B, S), for can_attend."""
-        if not self.static:
-            end = self.pos + idx.size(1)
-            self.tokens[:, self.pos:end] = idx
-            return self.tokens[:, :end]
+    def update_tokens(self, idx, positions):  # ids idx (B, T) into their slots; those attention reads (B, S), as update
         self.tokens[:, positions] = idx
-        return self.tokens
+        return self.tokens if self.static else self.tokens[:, :self.pos + idx.size(1)]
 
     def select_rows(self, rows):
         """Keep the batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
@@ -344,50 +337,3 @@ class GPT(nn.Module):
 
     def num_params(self):  # the tied embedding and output head counted once
         return sum(p.numel() for p in self.parameters())
-
-
-# ----------------------------------------------------------------------------------------------------
-# Choosing the next token (generate here, gpt/engine.py for sample.py)
-
-
-def check_sampling(temperature, top_k, top_p):
-    """ValueError naming the setting unless temperature >= 0, top_k >= 1 (an integer) and 0 < top_p <= 1."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-def greedy(logits):  # the most likely token of each row of logits (B, V), as (B, 1): temperature 0
-    return logits.argmax(dim=-1, keepdim=True)
-
-
-def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """Next-token probabilities (B, V) from logits (B, V) divided by temperature (0: all on the greedy token),
-    restricted to the top_k most likely tokens and to the smallest set whose probability reaches top_p."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits), 1.0)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the tokens more likely than it already reach top_p (the first always stays).
-        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
-def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs (or greedy)."""
-    check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return greedy(logits)
-    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), num_samples=1, generator=generator)

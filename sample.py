@@ -27,7 +27,7 @@ from gpt.checkpoint import (checkpoint_path, load_model, load_run, model_source,
                             train_command)
 from gpt.engine import Samples, compiles_by_default, decode_batch
 from gpt.tokenizer import Tokenizer
-from model import check_sampling
+from gpt.sampling import check_sampling
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)

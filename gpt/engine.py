@@ -10,7 +10,7 @@ import types
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model import greedy, sampling_probs
+from gpt.sampling import greedy, sampling_probs
 
 
 class Samples:
@@ -64,7 +64,7 @@ def next_token_probs(logits, settings, vocab_size):
 
 
 def next_tokens(logits, settings, vocab_size, generator):
-    """model.sample_next_token's tokens (B, 1) without its check of the settings, which sampling_probs repeats."""
+    """gpt.sampling.sample_next_token's tokens (B, 1) without its check of the settings, which sampling_probs repeats."""
     if settings["temperature"] == 0:
         return greedy(logits[:, :vocab_size])
     return torch.multinomial(next_token_probs(logits, settings, vocab_size), num_samples=1, generator=generator)

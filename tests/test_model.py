@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, Positions, attention, rope, sample_next_token, sampling_probs
+from gpt.sampling import sample_next_token, sampling_probs
+from model import GPT, GPTConfig, KVCache, Positions, attention, rope
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
 

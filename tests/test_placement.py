@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten
 
 from gpt import engine, scoring, speculative
 from gpt.shards import ShardLoader, write_shard
-from model import GPT, GPTConfig, greedy, sample_next_token, sampling_probs
+from gpt.sampling import greedy, sample_next_token, sampling_probs
+from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 

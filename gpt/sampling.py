@@ -1,0 +1,50 @@
+"""
+Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus). Used by model.py's generate
+and by gpt/engine.py for sample.py; apart from the model, since it is about the logits, not how they are computed.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def check_sampling(temperature, top_k, top_p):
+    """ValueError naming the setting unless temperature >= 0, top_k >= 1 (an integer) and 0 < top_p <= 1."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def greedy(logits):  # the most likely token of each row of logits (B, V), as (B, 1): temperature 0
+    return logits.argmax(dim=-1, keepdim=True)
+
+
+def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """Next-token probabilities (B, V) from logits (B, V) divided by temperature (0: all on the greedy token),
+    restricted to the top_k most likely tokens and to the smallest set whose probability reaches top_p."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits), 1.0)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens more likely than it already reach top_p (the first always stays).
+        drop_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)  # back to vocabulary order
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs (or greedy)."""
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
+        return greedy(logits)
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), num_samples=1, generator=generator)
