@@ -147,9 +147,9 @@ def resolve(name, args):
 
 
 def tokens_per_iter(settings):
-    import train
+    from gpt.parallel import micro_steps_per_process  # the global batch's rule, one process
 
-    return settings["batch_size"] * settings["block_size"] * train.micro_steps_per_process(settings, 1)
+    return settings["batch_size"] * settings["block_size"] * micro_steps_per_process(settings, 1)
 
 
 def budget_iters(budget, settings, name):

@@ -97,9 +97,8 @@ def main(argv):
         torch.set_num_threads(threads)
         if run_dir:
             run_dir.close()
-    # Torn down only once train() has returned and freed the DDP/FSDP model: destroyed first, the group's last
-    # reference was DDP's reducer, whose release then joined gloo's worker threads holding the GIL while a worker
-    # waited for it (a deadlock, 3 runs in 90 of two processes on two busy cores; none in 180 this way).
+    # Torn down only once train() has freed the DDP/FSDP model: destroyed first, the group's last reference was DDP's
+    # reducer, whose release joined gloo's threads holding the GIL while one waited for it (deadlocked 3 runs in 90).
     if dist.is_initialized():
         dist.destroy_process_group()
     return stop_signal  # the signal that stopped the run, or None: it ran to the end
@@ -113,8 +112,12 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     shared_cpu = share_cpu(settings["threads"], device_type, master)
-    settings, note = split_over_processes(settings, world_size)  # saved as it ran
-    micro_steps = micro_steps_per_process(settings, world_size)
+    micro_steps, note = settings["gradient_accumulation_steps"], None
+    if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
+        from gpt.parallel import micro_steps_per_process, split_over_processes
+
+        settings, note = split_over_processes(settings, world_size)  # saved as it ran
+        micro_steps = micro_steps_per_process(settings, world_size)
     if settings["max_seconds"] and world_size > 1:  # each process's clock would set its own learning rate
         raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
     if settings["fsdp"]:
@@ -150,9 +153,7 @@ def train(settings, run_dir):
     mfu = mfu_of(raw_model, settings["peak_flops"], settings["block_size"], ptdtype, device_type, world_size, master)
     log = Log(settings["max_iters"], master, iter_num, mfu)
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
-            f"{world_size} process(es) on {device}, {ptdtype}")
-    if note:
-        log.say(note)
+            f"{world_size} process(es) on {device}, {ptdtype}" + (f"\n{note}" if note else ""))
     timer = StepTimer(device_type, backend is not None, tokens_per_iter, elapsed)
 
     def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
@@ -256,53 +257,6 @@ def share_cpu(threads, device_type, master):
     return shared_cpu
 
 
-def split_over_processes(settings, world_size):
-    """(settings, a note or None): where each process's share of the global batch is less than batch_size, each runs
-    its share in one micro-step, the global batch kept as total_batch_size (config/small.py's 6 sequences a step run
-    as 3 on each of 2 processes): a config runs as it is on any process count that divides its global batch."""
-    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
-    if total % block or (total and settings["gradient_accumulation_steps"] != 1):
-        return settings, None  # micro_steps_per_process says what is wrong
-    sequences = total // block if total else batch * settings["gradient_accumulation_steps"]  # per step, all processes
-    share, left = divmod(sequences, world_size)
-    if left or not 0 < share < batch:
-        return settings, None
-    note = (f"the global batch of {sequences} sequences of {block} tokens is {share} on each of {world_size} "
-            f"processes: batch_size {share} here")
-    return dict(settings, batch_size=share, total_batch_size=sequences * block, gradient_accumulation_steps=1), note
-
-
-def micro_steps_per_process(settings, world_size):
-    """Forward/backward passes per process and optimizer step. The global batch is total_batch_size tokens when
-    that is set (nanochat's way: the same run on any process count that divides it), else batch_size x block_size
-    x gradient_accumulation_steps (nanoGPT's way: the steps count the micro-steps of all processes together)."""
-    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
-    steps = settings["gradient_accumulation_steps"]
-    if not total:
-        if steps % world_size:
-            raise UserError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
-                            f"({world_size}): it counts the micro-steps of all processes together (global batch = "
-                            f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
-        return steps // world_size
-    if steps != 1:
-        raise UserError(f"total_batch_size ({total}) and gradient_accumulation_steps ({steps}) both set the global "
-                        "batch; pass one of them (--total_batch_size=0 turns the first off)")
-    per_micro_step = batch * block * world_size  # tokens of one micro-step on every process
-    nearest = f"--total_batch_size={per_micro_step * max(1, round(total / per_micro_step))}"
-    if total % block:
-        raise UserError(f"total_batch_size ({total}) must be a multiple of block_size ({block}); pass {nearest}")
-    sequences = total // block  # per optimizer step, over all processes
-    if sequences % (batch * world_size) == 0:
-        return sequences // (batch * world_size)
-    fits = [b for b in range(batch, 0, -1) if sequences % (b * world_size) == 0]
-    counts = [n for n in range(1, sequences // batch + 1) if sequences % (batch * n) == 0]
-    what_to_pass = f"--batch_size={fits[0]} (the same global batch)" if fits else nearest
-    elsewhere = f", or run on {', '.join(map(str, counts))} process{'es' * (counts != [1])}" if counts else ""
-    raise UserError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into "
-                    f"micro-batches of batch_size {batch} on {world_size} processes; on {world_size} pass "
-                    f"{what_to_pass}{elsewhere}")
-
-
 def resume_checkpoint(path, world_size, device, max_iters):
     """out_dir/ckpt.pt; under torchrun read by rank 0 and sent to the others (gpt/parallel.py)."""
     if world_size == 1:
@@ -385,7 +339,7 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
     matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
     not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
-    every step (optimizer_step). sharded: the matrices are FSDP's, whose rows Muon gathers (gpt/parallel.py)."""
+    every step (optimizer_step)."""
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
     embeddings = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in
@@ -404,7 +358,7 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
         return [adamw]
     muon = torch.optim.Muon
     if sharded:
-        from gpt.parallel import ShardedMuon as muon
+        from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
     return [adamw, muon(hidden_matrices, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")]
 

@@ -17,6 +17,7 @@ any run resumes under DDP, FSDP or one process, on any number of processes.
 """
 
 import contextlib
+import math
 import os
 
 import torch
@@ -255,3 +256,50 @@ def check_fsdp(dtype, distributed, ptdtype):
     if ptdtype == torch.float16:  # dtype=auto picks float16 only on cards without bfloat16 (before sm80)
         instead = "--dtype=float32 (this card has no bfloat16)" if dtype == "auto" else "--dtype=bfloat16 or float32"
         raise UserError(f"fsdp=True does not take float16 (its gradient scaler is not sharded here); pass {instead}")
+
+
+def split_over_processes(settings, world_size):
+    """(settings, a note or None): where each process's share of the global batch is less than batch_size, each runs
+    its share in one micro-step, the global batch kept as total_batch_size (config/small.py's 6 sequences a step run
+    as 3 on each of 2 processes): a config runs as it is on any process count that divides its global batch."""
+    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
+    if total % block or (total and settings["gradient_accumulation_steps"] != 1):
+        return settings, None  # micro_steps_per_process says what is wrong
+    sequences = total // block if total else batch * settings["gradient_accumulation_steps"]  # per step, all processes
+    share, left = divmod(sequences, world_size)
+    if left or not 0 < share < batch:
+        return settings, None
+    note = (f"the global batch of {sequences} sequences of {block} tokens is {share} on each of {world_size} "
+            f"processes: batch_size {share} here")
+    return dict(settings, batch_size=share, total_batch_size=sequences * block, gradient_accumulation_steps=1), note
+
+
+def micro_steps_per_process(settings, world_size):
+    """Forward/backward passes per process and optimizer step. The global batch is total_batch_size tokens when
+    that is set (nanochat's way: the same run on any process count that divides it), else batch_size x block_size
+    x gradient_accumulation_steps (nanoGPT's way: the steps count the micro-steps of all processes together)."""
+    batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
+    steps = settings["gradient_accumulation_steps"]
+    if not total:
+        if steps % world_size:
+            raise UserError(f"gradient_accumulation_steps ({steps}) must be a multiple of the number of processes "
+                            f"({world_size}): it counts the micro-steps of all processes together (global batch = "
+                            f"batch_size x it); pass --gradient_accumulation_steps={world_size * math.ceil(steps / world_size)}")
+        return steps // world_size
+    if steps != 1:
+        raise UserError(f"total_batch_size ({total}) and gradient_accumulation_steps ({steps}) both set the global "
+                        "batch; pass one of them (--total_batch_size=0 turns the first off)")
+    per_micro_step = batch * block * world_size  # tokens of one micro-step on every process
+    nearest = f"--total_batch_size={per_micro_step * max(1, round(total / per_micro_step))}"
+    if total % block:
+        raise UserError(f"total_batch_size ({total}) must be a multiple of block_size ({block}); pass {nearest}")
+    sequences = total // block  # per optimizer step, over all processes
+    if sequences % (batch * world_size) == 0:
+        return sequences // (batch * world_size)
+    fits = [b for b in range(batch, 0, -1) if sequences % (b * world_size) == 0]
+    counts = [n for n in range(1, sequences // batch + 1) if sequences % (batch * n) == 0]
+    what_to_pass = f"--batch_size={fits[0]} (the same global batch)" if fits else nearest
+    elsewhere = f", or run on {', '.join(map(str, counts))} process{'es' * (counts != [1])}" if counts else ""
+    raise UserError(f"total_batch_size {total} = {sequences} sequences of {block} tokens does not split into "
+                    f"micro-batches of batch_size {batch} on {world_size} processes; on {world_size} pass "
+                    f"{what_to_pass}{elsewhere}")

@@ -78,7 +78,7 @@ def runs(workdir, tmp_path_factory):
         subprocess.run(["cp", "-r", dirs[source], dirs[target]], check=True)
     resume = ["--max_iters=6", "--init_from=resume"]
     # DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
-    # (train.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
+    # (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
     ddp_batch = ["--gradient_accumulation_steps=1", "--batch_size=8"]
     with torchrun(workdir, dirs["ddp"], logs["ddp"], "--max_iters=6", *ddp_batch) as ddp, \
             torchrun(workdir, dirs["fsdp_3_fsdp"], logs["fsdp_3_fsdp"], *resume, "--fsdp=True") as fsdp_resumed:

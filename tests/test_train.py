@@ -27,7 +27,7 @@ import model as model_module
 import train
 from conftest import DEVICE
 from data.shakespeare_char import prepare as prepare_char
-from gpt import UserError, mfu, progress
+from gpt import UserError, mfu, parallel, progress
 from gpt.shards import ShardLoader
 from model import GPT, GPTConfig
 
@@ -820,13 +820,13 @@ def gpt2_124m_settings(**overrides):
 
 def global_batch(settings, world_size):
     """Tokens per optimizer step that world_size processes train with these settings."""
-    micro_steps = train.micro_steps_per_process(settings, world_size)
+    micro_steps = parallel.micro_steps_per_process(settings, world_size)
     return micro_steps * world_size * settings["batch_size"] * settings["block_size"]
 
 
 def test_the_124m_global_batch_holds_on_every_process_count_that_divides_it():
     settings = gpt2_124m_settings()
-    assert {n: train.micro_steps_per_process(settings, n) for n in (1, 2, 4, 8)} == {1: 8, 2: 4, 4: 2, 8: 1}
+    assert {n: parallel.micro_steps_per_process(settings, n) for n in (1, 2, 4, 8)} == {1: 8, 2: 4, 4: 2, 8: 1}
     assert all(global_batch(settings, n) == 524288 for n in (1, 2, 4, 8))
     assert global_batch(gpt2_124m_settings(batch_size=16), 8) == 524288  # a smaller micro-batch: more micro-steps
 
@@ -836,7 +836,7 @@ def test_the_124m_global_batch_holds_on_every_process_count_that_divides_it():
 def test_a_global_batch_that_does_not_split_names_what_to_pass_and_that_works(world_size, overrides):
     settings = gpt2_124m_settings(**overrides)
     with pytest.raises(UserError) as e:
-        train.micro_steps_per_process(settings, world_size)
+        parallel.micro_steps_per_process(settings, world_size)
     message = str(e.value)
     assert "\n" not in message
     key, value = re.search(r"pass --(\w+)=(\d+)", message).groups()
@@ -859,19 +859,19 @@ def test_config_small_runs_as_it_is_on_every_process_count_that_divides_its_batc
     share of the 6 in one micro-step, the global batch the same; 4 processes are refused, naming what works."""
     settings = small_settings()
     for world_size, share in ((1, 6), (2, 3), (3, 2), (6, 1)):
-        split, note = train.split_over_processes(settings, world_size)
+        split, note = parallel.split_over_processes(settings, world_size)
         assert split["batch_size"] == share and (note is None) == (world_size == 1)
-        assert train.micro_steps_per_process(split, world_size) == 1
+        assert parallel.micro_steps_per_process(split, world_size) == 1
         assert global_batch(split, world_size) == 6 * 128
-    split, note = train.split_over_processes(settings, 4)
+    split, note = parallel.split_over_processes(settings, 4)
     assert split == settings and note is None
     with pytest.raises(UserError, match=r"pass --gradient_accumulation_steps=4"):
-        train.micro_steps_per_process(split, 4)
+        parallel.micro_steps_per_process(split, 4)
 
 
 def test_total_batch_size_and_accumulation_steps_together_are_refused():
     with pytest.raises(UserError, match="pass one of them"):
-        train.micro_steps_per_process(gpt2_124m_settings(gradient_accumulation_steps=2), 1)
+        parallel.micro_steps_per_process(gpt2_124m_settings(gradient_accumulation_steps=2), 1)
 
 
 def test_the_first_step_is_timed_alone_and_left_out_of_ms_per_iter(workdir, tmp_path, monkeypatch):
