@@ -152,7 +152,10 @@ for step in range(2):
         optimizer.step()
         optimizer.zero_grad()
 differences = [(p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), whole.parameters())]
-print("rank", dist.get_rank(), "orthogonalized", len(calls), "max difference", max(differences), flush=True)
+lines = [None, None]  # gathered to rank 0, which prints both: two processes' prints would interleave
+dist.all_gather_object(lines, f"rank {dist.get_rank()} orthogonalized {len(calls)} max difference {max(differences)}")
+if dist.get_rank() == 0:
+    print("\n".join(lines), flush=True)
 dist.destroy_process_group()
 """
 
