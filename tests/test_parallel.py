@@ -155,7 +155,7 @@ differences = [(p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.
 lines = [None, None]  # gathered to rank 0, which prints both: two processes' prints would interleave
 dist.all_gather_object(lines, f"rank {dist.get_rank()} orthogonalized {len(calls)} max difference {max(differences)}")
 if dist.get_rank() == 0:
-    print("\n".join(lines), flush=True)
+    print("\\n".join(lines), flush=True)
 dist.destroy_process_group()
 """
 
