@@ -22,8 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card
-from gpt.sampling import sample_next_token  # choosing a token from logits, for generate
 
 MLP_KINDS = ("swiglu", "gelu", "relu2")
 
@@ -127,6 +125,8 @@ def attention(q, k, v, positions, config, layer, dropout_p=0.0):
         # ALiBi's slopes) must follow the regrouping: here query head h is row h % group of kv group h // group.
         return y.view(B, n_head, 1, head_dim)
     gqa = n_head != n_kv_head
+    if gqa:
+        from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card
     if gqa and not sdpa.takes_gqa(q, masked=mask is not None):  # else SDPA's math kernel would hold every score
         group = n_head // n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd): head h reads
@@ -328,6 +328,8 @@ class GPT(nn.Module):
         if max_new_tokens < 1 or T < 1 or T + max_new_tokens > self.config.block_size:
             raise ValueError(f"generate needs a prompt, max_new_tokens >= 1 and their sum <= block_size "
                              f"({self.config.block_size}); got {T} and {max_new_tokens}")
+        from gpt.sampling import sample_next_token  # choosing a token from logits (temperature, top-k, top-p)
+
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
         for _ in range(max_new_tokens):
