@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_checkpoint, load_weights, resolve_device, resolve_dtype
+from gpt.checkpoint import load_weights, resolve_device, resolve_dtype
 from gpt.progress import Log, StepTimer
-from gpt.rundir import RunDir, resume_report
+from gpt.rundir import RunDir
 from gpt.shards import ShardLoader, check_vocab, load_meta
 from model import GPT, GPTConfig
 
@@ -126,8 +126,11 @@ def train(settings, run_dir):
         check_fsdp(settings["dtype"], "RANK" in os.environ, ptdtype)  # one process works too
         autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (gpt/parallel.py)
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
-    resuming = settings["init_from"] == "resume"
-    checkpoint = resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"]) if resuming else None
+    checkpoint = None
+    if settings["init_from"] == "resume":
+        from gpt.resume import restore, resume_checkpoint, resume_report  # continuing a run: only then
+
+        checkpoint = resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
     check_vocab(data_dir, config.vocab_size)
@@ -141,12 +144,14 @@ def train(settings, run_dir):
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
-    iter_num, best_val_loss, elapsed = restore(checkpoint, settings["optimizer"], raw_model, optimizers, loader,
-                                               scaler)
-    checkpoint = checkpoint and {k: v for k, v in checkpoint.items() if k not in ("model", "optimizers")}  # small
-    if master:
-        if checkpoint:
+    iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
+    if checkpoint:  # the weights are in the model already; now the rest of the run's state
+        iter_num, best_val_loss, elapsed = restore(checkpoint, settings["optimizer"], raw_model, optimizers, loader,
+                                                   scaler)
+        checkpoint = {k: v for k, v in checkpoint.items() if k not in ("model", "optimizers")}  # small
+        if master:
             print("\n".join(resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
+    if master:
         run_dir.start(settings, checkpoint and checkpoint["iter_num"])
     stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
@@ -257,20 +262,6 @@ def share_cpu(threads, device_type, master):
     return shared_cpu
 
 
-def resume_checkpoint(path, world_size, device, max_iters):
-    """out_dir/ckpt.pt; under torchrun read by rank 0 and sent to the others (gpt/parallel.py)."""
-    if world_size == 1:
-        checkpoint = load_checkpoint(path)
-    else:
-        from gpt.parallel import checkpoint_from_rank0
-
-        checkpoint = checkpoint_from_rank0(path, device)
-    if checkpoint["iter_num"] >= max_iters:
-        raise UserError(f"{path} is at iteration {checkpoint['iter_num']} already, so max_iters={max_iters} leaves "
-                        f"nothing to train; pass a larger --max_iters to continue it")
-    return checkpoint
-
-
 def build_model(settings, meta, checkpoint, ckpt_path):
     """The model on the CPU and its GPTConfig: the checkpoint's when resuming; a pretrained model's (with this run's
     dropout) when fine-tuning; else from the settings and the dataset's vocabulary. Initialized from seed (the same
@@ -361,23 +352,6 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
         from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
     return [adamw, muon(hidden_matrices, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")]
-
-
-def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
-    """(iter_num, best_val_loss, elapsed) of a resumed run, its optimizer, data and loss-scale state loaded; a fresh
-    run's start otherwise. A resumed run continues at the scale its skipped steps lowered, not at a fresh 65536."""
-    if checkpoint is None:
-        return 0, float("inf"), 0.0
-    if checkpoint["settings"]["optimizer"] != optimizer:
-        raise UserError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
-                        f"resume with that optimizer")
-    from gpt.parallel import load_optimizer_states
-
-    load_optimizer_states(model, optimizers, checkpoint["optimizers"])
-    loader.load_state_dict(checkpoint["loader"])
-    if checkpoint.get("scaler"):  # {}: a run without a scaler
-        scaler.load_state_dict(checkpoint["scaler"])
-    return checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
 
 
 def last_line(signalled, iter_num, ckpt_path):

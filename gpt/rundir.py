@@ -6,15 +6,12 @@ run with a message naming the checkpoint that is still intact.
 
 import contextlib
 import json
-import math
 import os
 import signal
-import time
 
 from gpt import UserError
 from gpt.checkpoint import save_checkpoint
-from gpt.files import FolderInUse, atomic_open, lock_folder, read_jsonl, write_failure
-from model import GPTConfig
+from gpt.files import FolderInUse, lock_folder, write_failure
 
 
 class RunDir:
@@ -45,8 +42,13 @@ class RunDir:
         removing what an earlier run left (the constructor refused a checkpoint there unless overwrite=True)."""
         wandb = import_wandb() if settings["wandb_log"] else None  # before anything is removed
         if resumed_iter is not None:
+            from gpt.resume import keep_records_until
+
             self.saved_iter = resumed_iter
-            self.keep_records_until(resumed_iter)
+            try:
+                keep_records_until(self.log_path, resumed_iter)
+            except OSError as e:
+                raise self.write_failed(self.log_path, e) from None
         else:
             if os.path.exists(self.ckpt_path):
                 print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
@@ -57,27 +59,6 @@ class RunDir:
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                        dir=self.out_dir)
-
-    def keep_records_until(self, start_iter):
-        """Keep the records up to start_iter (this run makes the later ones again), dropping a torn last line."""
-        if not os.path.exists(self.log_path):
-            return
-        try:
-            records, torn = read_jsonl(self.log_path)
-        except ValueError as e:
-            raise UserError(f"{e}; repair or delete that line, then resume again") from None
-        if torn is not None:
-            print(f"{self.log_path}: dropped its torn last line ({torn.strip()[:40]!r}), left by a run that "
-                  "stopped while writing it")
-        for lineno, record in records:
-            if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
-                raise UserError(f"{self.log_path}, line {lineno}: not a metrics record (no iter); repair or delete "
-                                "that line, then resume again")
-        try:
-            with atomic_open(self.log_path, "w") as f:
-                f.writelines(json.dumps(record) + "\n" for _, record in records if record["iter"] <= start_iter)
-        except OSError as e:
-            raise self.write_failed(self.log_path, e) from None
 
     def log(self, record):
         try:
@@ -137,40 +118,3 @@ def signals_deferred():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
-# Settings a resume may change without changing the run, left out of its "settings changed" line: init_from and
-# overwrite are about how it starts, out_dir is where the checkpoint lies now (a moved run), threads fits the machine.
-RESUME_NOISE = ("init_from", "overwrite", "out_dir", "threads")
-FROM_CHECKPOINT = set(GPTConfig.__dataclass_fields__) - {"block_size"}  # a resume takes the model's config from it
-
-
-def resume_report(checkpoint, settings, defaults, lr_multiplier):
-    """The lines rank 0 prints on resuming: the checkpoint's iteration, best val loss and save time, then one line of
-    the settings that differ from its run, if any, with the learning rate's jump where the schedule (lr_multiplier)
-    moved it. A setting the checkpoint predates counts as its default (what that code did)."""
-    it, best = checkpoint["iter_num"], checkpoint["best_val_loss"]
-    about = [f"best val loss {best:.4f}" if math.isfinite(best) else "no val loss yet"]
-    if checkpoint.get("saved_at") is not None:  # checkpoints before it was saved have none
-        about.append(f"saved at {time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(checkpoint['saved_at']))}")
-    lines = [f"resumed from iteration {it} of {settings['max_iters']} ({', '.join(about)})"]
-    before = dict(defaults, **checkpoint["settings"])
-    show = lambda value: repr(value) if value == "" else str(value)  # as typed on a command line
-    changed = {key: f"{key} {show(before[key])} -> {show(value)}" for key, value in settings.items()
-               if key not in RESUME_NOISE and before[key] != value}
-    if not changed:
-        return lines
-    used = [change for key, change in changed.items() if key not in FROM_CHECKPOINT]
-    unused = [change for key, change in changed.items() if key in FROM_CHECKPOINT]
-    parts = [", ".join(used)] if used else []
-    if unused:
-        parts.append(f"with no effect (the model is the checkpoint's): {', '.join(unused)}")
-    line = f"settings changed since the checkpoint: {'; '.join(parts)}"
-    try:
-        lr_before = before["learning_rate"] * lr_multiplier(it, before)
-        lr_now = settings["learning_rate"] * lr_multiplier(it, settings)
-        if not math.isclose(lr_before, lr_now, rel_tol=1e-6):
-            line += f"; the learning rate at iteration {it} goes from {lr_before:.2e} to {lr_now:.2e}"
-    except (ZeroDivisionError, TypeError):  # a learning rate of 0, or a schedule setting of the wrong type
-        pass
-    return lines + [line]

@@ -952,8 +952,9 @@ def test_a_resumed_run_keeps_none_of_the_checkpoints_tensors(workdir, trained, t
             alive_at_first_log.append(sum(ref() is not None for ref in loaded))
         log_before(self, record)
 
-    load_checkpoint_before, log_before = train.load_checkpoint, train.RunDir.log
-    monkeypatch.setattr(train, "load_checkpoint", load_checkpoint)
+    import gpt.resume
+    load_checkpoint_before, log_before = gpt.resume.load_checkpoint, train.RunDir.log
+    monkeypatch.setattr(gpt.resume, "load_checkpoint", load_checkpoint)
     monkeypatch.setattr(train.RunDir, "log", log)
     train_main(workdir, str(tmp_path), "--init_from=resume", "--max_iters=32", "--eval_interval=10")
     assert len(loaded) > 5 and alive_at_first_log == [0]
