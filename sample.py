@@ -23,8 +23,7 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import (checkpoint_path, load_model, load_run, model_source, resolve_device, resolve_dtype,
-                            train_command)
+from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source, resolve_device, resolve_dtype
 from gpt.engine import Samples, compiles_by_default, decode_batch
 from gpt.tokenizer import Tokenizer
 from gpt.sampling import check_sampling
@@ -101,6 +100,8 @@ def check_draft_exists(draft, dataset):
     path = checkpoint_path(draft)
     if draft.startswith("hf:") or os.path.exists(path):
         return
+    from gpt.hints import train_command
+
     extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
     on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
     raise UserError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "

@@ -6,11 +6,8 @@ or foreign file gets the same one-line message everywhere.
     model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
 
-import glob
 import io
 import os
-import re
-import shlex
 
 import torch
 
@@ -81,30 +78,6 @@ def save_checkpoint(path, checkpoint):
         raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
-def train_command(path, config=None, extra=""):
-    """The train.py command, in backquotes, that writes the checkpoint asked for at path (for a .pt file not named
-    ckpt.pt: the ckpt.pt it writes in that folder, to load instead). config: the config file to name (default: the
-    one whose out_dir the folder is named after, else config/small.py); extra: more arguments."""
-    out_dir = os.path.dirname(path) or "."
-    config = config or config_for(out_dir)
-    command = f"`python train.py {config} --out_dir={shlex.quote(out_dir)}{extra}`"
-    if os.path.basename(path) != "ckpt.pt":
-        command += f", which writes {os.path.join(out_dir, 'ckpt.pt')}: load that"
-    return command
-
-
-def config_for(out_dir):
-    """The config file (config/NAME.py) whose out_dir the folder is named after, else config/small.py: a missing
-    out-shakespeare-bpe is trained by config/shakespeare_bpe.py, not by the character model's config."""
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
-    for path in sorted(glob.glob(os.path.join(configs, "*.py"))):
-        with open(path, encoding="utf-8") as f:  # read, not run: a hint must not execute a config
-            named = re.search(r"^out_dir\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.M)
-        if named and named.group(1) == os.path.basename(os.path.normpath(out_dir)):
-            return f"config/{os.path.basename(path)}"
-    return "config/small.py"
-
-
 def checkpoint_path(source):
     """The ckpt.pt of an out_dir, or source itself when it names a .pt file."""
     return source if source.endswith(".pt") else os.path.join(source, "ckpt.pt")
@@ -114,6 +87,8 @@ def load_checkpoint(path, data=None):
     """The dict train.py saved at path (a ckpt.pt), loaded with weights_only=True: opening it never runs code.
     data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
     if data is None and not os.path.exists(path):
+        from gpt.hints import train_command
+
         raise UserError(f"no checkpoint at {path}; train one first (--init_from=scratch, the default): "
                               f"{train_command(path)}")
     try:

@@ -1,53 +1,24 @@
-"""Token shards: the llm.c file format, dataset metadata, and the loader that train.py samples batches from.
+"""Token shards: the llm.c file format, dataset metadata, and the loader that train.py samples batches from (the
+prepare scripts write them through gpt/prepare.py).
 
 A shard is a 1024-byte header of 256 little-endian int32 (magic, version, token count, then zeros), then the tokens:
 uint16 for version 1 (llm.c's, so its GPT-2 shards load unchanged), uint32 for version 2 (vocabularies above 65,535).
 Dataset folders (`*_<split>_*.bin` and meta.json) and the loader's order: data/README.md.
 """
 
-import contextlib
-import difflib
 import glob
 import json
 import os
-import shlex
 
 import numpy as np
 import torch
 
 from gpt import UserError
-from gpt.files import atomic_open, write_failure
 
 MAGIC = 20240520  # llm.c's token shard magic
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtype
-
-
-@contextlib.contextmanager
-def dataset_file(path):
-    """atomic_open(path), where a failed write (disk full, over quota) is a one-line UserError naming the file."""
-    try:
-        with atomic_open(path) as f:
-            yield f
-    except OSError as e:
-        raise UserError(f"could not write {path} ({write_failure(e)}); no partial file was left: "
-                        "fix that and run the same command again") from None
-
-
-def write_shard(path, tokens):
-    """Write tokens as one shard, atomically; uint16 (version 1) when every token fits, else uint32 (version 2)."""
-    tokens = np.asarray(tokens)
-    if len(tokens) >= 2**31:
-        raise UserError(f"{path}: {len(tokens):,} tokens do not fit one shard's int32 count; use smaller shards")
-    if len(tokens) and (tokens.min() < 0 or tokens.max() >= 2**32):
-        raise UserError(f"{path}: token ids must lie in [0, 2**32)")
-    version = 1 if len(tokens) == 0 or tokens.max() < 2**16 else 2
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = MAGIC, version, len(tokens)
-    with dataset_file(path) as f:
-        f.write(header.tobytes())
-        f.write(np.ascontiguousarray(tokens, dtype=TOKEN_DTYPES[version]))  # no copy when already the right dtype
 
 
 def read_shard(path):
@@ -70,64 +41,11 @@ def read_shard(path):
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(int(count),))
 
 
-def write_meta(data_dir, meta):
-    """Write meta.json (tokenizer, vocab_size, eot_token, and for "char" the character list), atomically."""
-    with dataset_file(os.path.join(data_dir, "meta.json")) as f:
-        f.write(json.dumps(meta, indent=1).encode())
-
-
-DATA_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # the repository's data/
-
-
-def prepare_script(name):
-    path = os.path.join(DATA_ROOT, name, "prepare.py")
-    return path if os.path.isfile(path) else None
-
-
-def prepare_command(data_dir):
-    """The command, run from the current directory, that writes the dataset folder data_dir, or None where there is no
-    data/<name>/prepare.py. A script writes into its own folder by default; any other folder needs --out_dir."""
-    script = prepare_script(os.path.basename(os.path.normpath(data_dir)))
-    if script is None:
-        return None
-    if os.path.realpath(data_dir) != os.path.realpath(os.path.dirname(script)):
-        return f"python {shlex.quote(script)} --out_dir {shlex.quote(str(data_dir))}"
-    in_root = os.path.realpath(os.getcwd()) == os.path.realpath(os.path.dirname(DATA_ROOT))
-    return f"python {os.path.relpath(script) if in_root else shlex.quote(script)}"
-
-
-def rerun(data_dir):
-    command = prepare_command(data_dir)
-    return f"re-run `{command}`" if command else "re-run the prepare script that wrote it"
-
-
-def datasets_hint(data_dir):
-    """For a missing dataset folder with no prepare script: the datasets there are, those prepared next to data_dir,
-    and a command for one: the closest name first, then shakespeare_char and shakespeare (no hours of downloading)."""
-    names = sorted(n for n in os.listdir(DATA_ROOT) if prepare_script(n))
-    if not names:
-        return f"there is no prepare script under {DATA_ROOT}"
-    parent = os.path.dirname(os.path.normpath(data_dir))
-    prepared = [n for n in names if glob.glob(os.path.join(parent, n, "*_train_*.bin"))]
-    close = difflib.get_close_matches(os.path.basename(os.path.normpath(data_dir)), names, n=1)
-    order = list(dict.fromkeys(close + [n for n in ("shakespeare_char", "shakespeare") if n in names] + names))
-    ready = [n for n in order if n in prepared][:1]
-    to_prepare = [n for n in order if n not in prepared][:1]
-    hint = f"the datasets are {', '.join(names)} (data/<name>/prepare.py)"
-    if prepared:
-        hint += f", prepared already: {', '.join(prepared)}"
-    todo = [f"pass --dataset={n}" for n in ready] + [
-        f"prepare one, e.g. `{prepare_command(os.path.join(parent, n))}`, then pass --dataset={n}" for n in to_prepare]
-    if close and close[0] not in prepared:  # the name meant, most likely: first
-        todo.reverse()
-    return f"{hint}; {', or '.join(todo)}"
-
-
 def require_dir(data_dir):
     if not os.path.isdir(data_dir):
-        command = prepare_command(data_dir)  # data/<name>/prepare.py exists but has not been run: run it
-        hint = f"prepare it with `{command}`" if command else datasets_hint(data_dir)
-        raise UserError(f"dataset folder {data_dir} not found; {hint}")
+        from gpt.hints import missing_dataset
+
+        raise UserError(f"dataset folder {data_dir} not found; {missing_dataset(data_dir)}")
 
 
 def load_meta(data_dir):
@@ -143,8 +61,12 @@ def load_meta(data_dir):
             meta = json.load(f)
         vocab_size = meta["vocab_size"]
     except (ValueError, KeyError, TypeError):
+        from gpt.hints import rerun
+
         raise UserError(f"{path}: not valid metadata (needs a JSON object with vocab_size); {rerun(data_dir)}") from None
     if not isinstance(vocab_size, int) or vocab_size < 1:
+        from gpt.hints import rerun
+
         raise UserError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; {rerun(data_dir)}")
     return meta
 
@@ -163,6 +85,8 @@ def find_shards(data_dir, split):
     require_dir(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.bin")))
     if not paths:
+        from gpt.hints import prepare_command
+
         command = prepare_command(data_dir)
         how = f"prepare them with `{command}`" if command else \
             "write them with a prepare script's --out_dir (data/README.md)"

@@ -1,0 +1,87 @@
+"""
+The commands that make a missing file, for the error messages that name them: a dataset's prepare script, the train.py
+run that writes a checkpoint. Imported only when such an error is raised.
+"""
+
+import difflib
+import glob
+import os
+import re
+import shlex
+
+DATA_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # the repository's data/
+
+
+def prepare_script(name):
+    path = os.path.join(DATA_ROOT, name, "prepare.py")
+    return path if os.path.isfile(path) else None
+
+
+def prepare_command(data_dir):
+    """The command, run from the current directory, that writes the dataset folder data_dir, or None where there is no
+    data/<name>/prepare.py. A script writes into its own folder by default; any other folder needs --out_dir."""
+    script = prepare_script(os.path.basename(os.path.normpath(data_dir)))
+    if script is None:
+        return None
+    if os.path.realpath(data_dir) != os.path.realpath(os.path.dirname(script)):
+        return f"python {shlex.quote(script)} --out_dir {shlex.quote(str(data_dir))}"
+    in_root = os.path.realpath(os.getcwd()) == os.path.realpath(os.path.dirname(DATA_ROOT))
+    return f"python {os.path.relpath(script) if in_root else shlex.quote(script)}"
+
+
+def rerun(data_dir):
+    command = prepare_command(data_dir)
+    return f"re-run `{command}`" if command else "re-run the prepare script that wrote it"
+
+
+def datasets_hint(data_dir):
+    """For a missing dataset folder with no prepare script: the datasets there are, those prepared next to data_dir,
+    and a command for one: the closest name first, then shakespeare_char and shakespeare (no hours of downloading)."""
+    names = sorted(n for n in os.listdir(DATA_ROOT) if prepare_script(n))
+    if not names:
+        return f"there is no prepare script under {DATA_ROOT}"
+    parent = os.path.dirname(os.path.normpath(data_dir))
+    prepared = [n for n in names if glob.glob(os.path.join(parent, n, "*_train_*.bin"))]
+    close = difflib.get_close_matches(os.path.basename(os.path.normpath(data_dir)), names, n=1)
+    order = list(dict.fromkeys(close + [n for n in ("shakespeare_char", "shakespeare") if n in names] + names))
+    ready = [n for n in order if n in prepared][:1]
+    to_prepare = [n for n in order if n not in prepared][:1]
+    hint = f"the datasets are {', '.join(names)} (data/<name>/prepare.py)"
+    if prepared:
+        hint += f", prepared already: {', '.join(prepared)}"
+    todo = [f"pass --dataset={n}" for n in ready] + [
+        f"prepare one, e.g. `{prepare_command(os.path.join(parent, n))}`, then pass --dataset={n}" for n in to_prepare]
+    if close and close[0] not in prepared:  # the name meant, most likely: first
+        todo.reverse()
+    return f"{hint}; {', or '.join(todo)}"
+
+
+def missing_dataset(data_dir):
+    """What to do about a dataset folder that does not exist: run its data/<name>/prepare.py if there is one, else
+    one of the datasets there are."""
+    command = prepare_command(data_dir)
+    return f"prepare it with `{command}`" if command else datasets_hint(data_dir)
+
+
+def train_command(path, config=None, extra=""):
+    """The train.py command, in backquotes, that writes the checkpoint asked for at path (for a .pt file not named
+    ckpt.pt: the ckpt.pt it writes in that folder, to load instead). config: the config file to name (default: the
+    one whose out_dir the folder is named after, else config/small.py); extra: more arguments."""
+    out_dir = os.path.dirname(path) or "."
+    config = config or config_for(out_dir)
+    command = f"`python train.py {config} --out_dir={shlex.quote(out_dir)}{extra}`"
+    if os.path.basename(path) != "ckpt.pt":
+        command += f", which writes {os.path.join(out_dir, 'ckpt.pt')}: load that"
+    return command
+
+
+def config_for(out_dir):
+    """The config file (config/NAME.py) whose out_dir the folder is named after, else config/small.py: a missing
+    out-shakespeare-bpe is trained by config/shakespeare_bpe.py, not by the character model's config."""
+    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+    for path in sorted(glob.glob(os.path.join(configs, "*.py"))):
+        with open(path, encoding="utf-8") as f:  # read, not run: a hint must not execute a config
+            named = re.search(r"^out_dir\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.M)
+        if named and named.group(1) == os.path.basename(os.path.normpath(out_dir)):
+            return f"config/{os.path.basename(path)}"
+    return "config/small.py"
