@@ -17,7 +17,8 @@ import torch
 from data.shakespeare import prepare as shakespeare
 from gpt import UserError
 from gpt.files import atomic_open
-from gpt.shards import ShardLoader, check_vocab, load_meta, read_shard, write_meta, write_shard
+from gpt.prepare import write_meta, write_shard
+from gpt.shards import ShardLoader, check_vocab, load_meta, read_shard
 from gpt.tokenizer import named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,8 +255,8 @@ def test_fineweb_rerun_after_interruption_is_identical(tmp_path, monkeypatch, wh
 FULL_DISK_FROM_SHARD_3 = """
 import resource, runpy, sys
 sys.path.insert(0, sys.argv[1])
-import gpt.shards
-real_write_shard, calls = gpt.shards.write_shard, []
+import gpt.prepare
+real_write_shard, calls = gpt.prepare.write_shard, []
 
 def write_shard(path, tokens):  # from the third shard on, the disk is full: no file may grow past 2000 bytes
     calls.append(path)
@@ -263,7 +264,7 @@ def write_shard(path, tokens):  # from the third shard on, the disk is full: no 
         resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
     real_write_shard(path, tokens)
 
-gpt.shards.write_shard = write_shard  # prepare.py, run below, imports it from gpt.shards
+gpt.prepare.write_shard = write_shard  # prepare.py, run below, imports it from gpt.prepare
 sys.argv = sys.argv[2:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gpt import engine, scoring, speculative
-from gpt.shards import ShardLoader, write_shard
+from gpt.prepare import write_shard
+from gpt.shards import ShardLoader
 from gpt.sampling import greedy, sample_next_token, sampling_probs
 from model import GPT, GPTConfig
 

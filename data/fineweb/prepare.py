@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from gpt import UserError
-from gpt.shards import dataset_file, write_meta, write_shard
+from gpt.prepare import dataset_file, write_meta, write_shard
 from gpt.tokenizer import GPT2_META, Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
