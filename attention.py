@@ -28,7 +28,8 @@ from torch.overrides import TorchFunctionMode
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_model, model_source, resolve_device
+from gpt.checkpoint import load_model, model_source
+from gpt.device import resolve_device
 from gpt.files import atomic_open, write_failure, write_json
 from gpt.tokenizer import Tokenizer
 from sample import read_prompt

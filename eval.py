@@ -25,7 +25,8 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_run, model_source, resolve_device, resolve_dtype
+from gpt.checkpoint import load_run, model_source
+from gpt.device import resolve_device, resolve_dtype
 from gpt.files import write_json
 from gpt.scoring import token_logprobs
 from gpt.shards import find_shards, read_shard

@@ -23,7 +23,8 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source, resolve_device, resolve_dtype
+from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source
+from gpt.device import resolve_device, resolve_dtype
 from gpt.engine import Samples, compiles_by_default, decode_batch
 from gpt.tokenizer import Tokenizer
 from gpt.sampling import check_sampling

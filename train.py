@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_weights, resolve_device, resolve_dtype
+from gpt.device import resolve_device, resolve_dtype
 from gpt.progress import Log, StepTimer
 from gpt.rundir import RunDir
 from gpt.shards import ShardLoader, check_vocab, load_meta
@@ -109,8 +109,8 @@ def train(settings, run_dir):
     rank, world_size, device = setup_processes(settings["device"])
     master, device_type = rank == 0, device.split(":")[0]  # only the master prints, logs and saves
     ptdtype = resolve_dtype(settings["dtype"], device_type)
-    autocast = torch.autocast(device_type, dtype=ptdtype) if ptdtype != torch.float32 else contextlib.nullcontext()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
+    autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
     shared_cpu = share_cpu(settings["threads"], device_type, master)
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
@@ -118,26 +118,19 @@ def train(settings, run_dir):
 
         settings, note = split_over_processes(settings, world_size)  # saved as it ran
         micro_steps = micro_steps_per_process(settings, world_size)
-    if settings["max_seconds"] and world_size > 1:  # each process's clock would set its own learning rate
-        raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
-    if settings["fsdp"]:
-        from gpt.parallel import check_fsdp
-
-        check_fsdp(settings["dtype"], "RANK" in os.environ, ptdtype)  # one process works too
-        autocast = contextlib.nullcontext()  # FSDP's MixedPrecisionPolicy casts instead (gpt/parallel.py)
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
     checkpoint = None
-    if settings["init_from"] == "resume":
-        from gpt.resume import restore, resume_checkpoint, resume_report  # continuing a run: only then
+    if settings["init_from"] == "resume":  # continuing a run: gpt/resume.py, imported only then
+        from gpt import resume
 
-        checkpoint = resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
+        checkpoint = resume.resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
     check_vocab(data_dir, config.vocab_size)
     tasks = task_runner(settings, meta)
     backend = compile_backend(settings["compile"], device_type)
-    model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], device, ptdtype,
-                          backend)  # what the step calls
+    model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], settings["dtype"],
+                          device, ptdtype, backend)  # what the step calls
     optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
                                  (settings["beta1"], settings["beta2"]), device_type,
                                  settings["fsdp"])  # after FSDP's new parameters
@@ -145,18 +138,17 @@ def train(settings, run_dir):
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
     iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
-    if checkpoint:  # the weights are in the model already; now the rest of the run's state
-        iter_num, best_val_loss, elapsed = restore(checkpoint, settings["optimizer"], raw_model, optimizers, loader,
-                                                   scaler)
-        checkpoint = {k: v for k, v in checkpoint.items() if k not in ("model", "optimizers")}  # small
+    if checkpoint:  # the weights are in the model already; now the rest of the run's state, its tensors then let go
+        iter_num, best_val_loss, elapsed = resume.restore(checkpoint, settings["optimizer"], raw_model, optimizers,
+                                                          loader, scaler)
         if master:
-            print("\n".join(resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
+            print("\n".join(resume.resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
     if master:
         run_dir.start(settings, checkpoint and checkpoint["iter_num"])
     stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
-    mfu = mfu_of(raw_model, settings["peak_flops"], settings["block_size"], ptdtype, device_type, world_size, master)
-    log = Log(settings["max_iters"], master, iter_num, mfu)
+    log = Log(settings["max_iters"], master, iter_num,
+              mfu_of(raw_model, settings["peak_flops"], settings["block_size"], ptdtype, device_type, world_size, master))
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
             f"{world_size} process(es) on {device}, {ptdtype}" + (f"\n{note}" if note else ""))
     timer = StepTimer(device_type, backend is not None, tokens_per_iter, elapsed)
@@ -184,10 +176,9 @@ def train(settings, run_dir):
                 check_finite(losses["val"], iter_num, ckpt_path)
                 scores = tasks(raw_model, autocast) if tasks else {}  # lm-eval's, on every rank
                 log.evaluation(run_dir, iter_num, timer.elapsed(), losses, scores)
-                if losses["val"] < best_val_loss or settings["always_save_checkpoint"]:  # the same on every rank
-                    best_val_loss = min(best_val_loss, losses["val"])
-                    if iter_num > 0:
-                        save(checkpoint_now())
+                improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
+                if iter_num > 0 and (improved or settings["always_save_checkpoint"]):  # the same on every rank
+                    save(checkpoint_now())
         if stopping:
             if signalled:
                 save(checkpoint_now())
@@ -235,12 +226,15 @@ def check_settings(settings):
     for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
         if settings[key] < 0:
             raise UserError(f"{key} must be at least 0, got {settings[key]}")
+    if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
+        raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
     return settings
 
 
 def setup_processes(device):
     """(rank, world_size, device) of this process: torchrun sets RANK and WORLD_SIZE (gpt/parallel.py)."""
     device = resolve_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
     if "RANK" not in os.environ:
         return 0, 1, device
     from gpt.parallel import start_processes
@@ -287,6 +281,8 @@ def build_model(settings, meta, checkpoint, ckpt_path):
     if pretrained is not None:
         model.load_state_dict(pretrained.state_dict())
     if checkpoint is not None:
+        from gpt.checkpoint import load_weights
+
         load_weights(model, checkpoint["model"], ckpt_path)  # one that model.py was edited since names the misfits
     return model, config
 
@@ -309,12 +305,15 @@ def compile_backend(compile, device_type):
     return "inductor" if compile and device_type == "cuda" else None
 
 
-def prepare_model(model, activation_checkpointing, fsdp, device, ptdtype, backend):
+def prepare_model(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend):
     """The model as the training step calls it, in the order that works: activation checkpointing for each block;
-    under FSDP each block is then compiled and the model sharded in place (the same module comes back); otherwise
-    the whole model is compiled and, under torchrun (one process too), wrapped in DDP (gpt/parallel.py)."""
+    under FSDP (refused on one process and in float16, where dtype says what to pass) each block is then compiled and
+    the model sharded in place (the same module comes back); otherwise the whole model is compiled and, under torchrun
+    (one process too), wrapped in DDP (gpt/parallel.py)."""
     if activation_checkpointing or fsdp or dist.is_initialized():
         from gpt import parallel
+    if fsdp:
+        parallel.check_fsdp(dtype, "RANK" in os.environ, ptdtype)
     if activation_checkpointing:
         parallel.checkpoint_blocks(model)
     if fsdp:

@@ -769,7 +769,7 @@ def device_setup(device):
     the tests that card alone when one was named; torchrun_device: the --device torchrun's processes get; processes:
     how many the ddp and fsdp rows run."""
     kind = device
-    if device == "auto":  # as train.py and sample.py resolve it (checkpoint.resolve_device)
+    if device == "auto":  # as train.py and sample.py resolve it (gpt/device.py's resolve_device)
         kind = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         parsed = torch.device(kind)
@@ -791,7 +791,7 @@ def device_setup(device):
     capability = torch.cuda.get_device_capability(index)
     setup = dict(kind="cuda", name=f"{torch.cuda.get_device_name(index)} (cuda:{index} of {count} visible)",
                  one_card={}, torchrun_device=device, processes=count, capability="{}.{}".format(*capability),
-                 has_bf16=capability >= (8, 0))  # what checkpoint.resolve_dtype requires of bfloat16
+                 has_bf16=capability >= (8, 0))  # what gpt/device.py's resolve_dtype requires of bfloat16
     if parsed.index is not None:
         # One card: train.py under torchrun takes cuda:LOCAL_RANK, so torchrun (and the tests) see only this card
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,7 +1,7 @@
 """
-Where models come from and go to: the device and dtype to run on, train.py's ckpt.pt (saved atomically, loaded without
-running code) and, through gpt/hf.py, Hugging Face folders. Every command loads through here, so a missing, truncated
-or foreign file gets the same one-line message everywhere.
+Where models come from: train.py's ckpt.pt (loaded without running code; gpt/rundir.py writes it) and, through
+gpt/hf.py, Hugging Face folders. Every command loads through here, so a missing, truncated or foreign file gets the same
+one-line message everywhere.
 
     model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
@@ -12,70 +12,11 @@ import os
 import torch
 
 from gpt import UserError
-from gpt.files import atomic_open, write_failure
 from model import GPT, GPTConfig
 
 
 def first_line(error):
     return (str(error) or type(error).__name__).splitlines()[0]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Device and dtype
-
-
-def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; anything else as given. A CUDA device with an index is made the current one:
-    torch.compile, fused AdamW and the caching allocator use the current device, not the model's, so --device=cuda:1
-    would otherwise still touch cuda:0. Plain "cuda" is the current device (and set_device refuses it)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                                  "use --device=cpu (or auto)")
-        index, count = torch.device(device).index, torch.cuda.device_count()
-        if index is not None:
-            if index >= count:
-                raise UserError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
-                                      f"cuda:{count - 1}")
-            torch.cuda.set_device(index)
-    return device
-
-
-def resolve_dtype(dtype, device):
-    """The torch dtype for a dtype setting. "auto": bfloat16 on CUDA cards of compute capability 8.0 or more, float16
-    on older ones (they only emulate bfloat16, slowly, and SDPA's flash kernel refuses it), float32 on CPU and MPS.
-    bfloat16 asked of an older card is an error, not a slow run."""
-    cuda = device.startswith("cuda")
-    if dtype == "auto":
-        dtype = "float32" if not cuda else "bfloat16" if cuda_capability(device) >= (8, 0) else "float16"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    if dtype == "bfloat16" and cuda and cuda_capability(device) < (8, 0):
-        major, minor = cuda_capability(device)
-        raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
-                              "only emulates bfloat16; use --dtype=float16 (or auto)")
-    return getattr(torch, dtype)
-
-
-def cuda_capability(device):
-    """(major, minor) compute capability of a CUDA device, e.g. (7, 5) for a T4, (9, 0) for an H100."""
-    return tuple(torch.cuda.get_device_capability(device))
-
-
-# ----------------------------------------------------------------------------------------------------
-# train.py's checkpoints
-
-
-def save_checkpoint(path, checkpoint):
-    """torch.save through atomic_open, so the checkpoint saved before stays until this one is whole; a failed write
-    is a UserError naming the path and the cause."""
-    try:
-        with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
-            torch.save(checkpoint, f)
-    except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
-        raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
 def checkpoint_path(source):

@@ -9,9 +9,10 @@ import json
 import os
 import signal
 
+import torch
+
 from gpt import UserError
-from gpt.checkpoint import save_checkpoint
-from gpt.files import FolderInUse, lock_folder, write_failure
+from gpt.files import FolderInUse, atomic_open, lock_folder, write_failure
 
 
 class RunDir:
@@ -95,6 +96,16 @@ class RunDir:
             with contextlib.suppress(OSError):  # leaves no folder holding only its lock
                 os.remove(os.path.join(self.out_dir, "lock"))
                 os.rmdir(self.out_dir)
+
+
+def save_checkpoint(path, checkpoint):
+    """torch.save through atomic_open, so the checkpoint saved before stays until this one is whole; a failed write
+    is a UserError naming the path and the cause."""
+    try:
+        with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
+            torch.save(checkpoint, f)
+    except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
+        raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
 
 
 def import_wandb():

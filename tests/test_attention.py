@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import attention
 import model as model_py
 from gpt import UserError
-from gpt.checkpoint import save_checkpoint
+from gpt.rundir import save_checkpoint
 from gpt.tokenizer import char_meta
 from model import GPT, GPTConfig, can_attend
 

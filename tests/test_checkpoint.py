@@ -19,7 +19,8 @@ import torch.nn as nn
 import train
 from configurator import configure
 from gpt import UserError, checkpoint
-from gpt.checkpoint import load_model, resolve_device, resolve_dtype
+from gpt.checkpoint import load_model
+from gpt.device import resolve_device, resolve_dtype
 from test_train import ROOT, TINY, in_dir, records, workdir  # noqa: F401(workdir is a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

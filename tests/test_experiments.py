@@ -13,7 +13,7 @@ import torch
 import attention
 import model as model_py
 from experiments import position, scaling
-from gpt.checkpoint import save_checkpoint
+from gpt.rundir import save_checkpoint
 from gpt.tokenizer import char_meta
 from model import GPT, GPTConfig
 

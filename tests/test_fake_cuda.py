@@ -19,7 +19,7 @@ import export
 import sample
 from conftest import fake_cuda_site
 from gpt import UserError
-from gpt.checkpoint import resolve_device, resolve_dtype
+from gpt.device import resolve_device, resolve_dtype
 from test_train import TINY, in_dir, train_main, trained, workdir  # noqa: F401(fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

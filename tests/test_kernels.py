@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt import kernels
-from gpt.machine import cpu_flags
+from gpt.cpuinfo import cpu_flags
 from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, replace_linears
 from model import GPT, GPTConfig
 

@@ -150,7 +150,7 @@ def test_bpe_prepare_and_sample_work_offline(tmp_path):
     n_train = len(text) * 9 // 10
     assert tokens == [reference.encode_ordinary(text[:n_train]), reference.encode_ordinary(text[n_train:])]
 
-    from gpt.checkpoint import save_checkpoint
+    from gpt.rundir import save_checkpoint
     from model import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
