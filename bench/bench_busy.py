@@ -37,7 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from gpt.machine import cpu_name  # noqa: E402
+from gpt.cpuinfo import cpu_name  # noqa: E402
 
 SETTINGS = {"default": {}, "one_thread": {"OMP_NUM_THREADS": "1"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
             "auto": {}}

@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
-from gpt.machine import cpu_name  # noqa: E402
+from gpt.cpuinfo import cpu_name  # noqa: E402
 # precision -> (llama.cpp's GGUF type, {our mode: sample.py's flags}); the defaults compile on a CPU where it pays
 PRECISIONS = {
     "fp32": ("f32", {"fp32 (default)": [], "fp32 eager": ["--compile=False"]}),

@@ -21,7 +21,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 from gpt import kernels
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 
 # (out, in) of one block's products: q, k, v, o, gate, up, down; then the output head
 BLOCK = [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768), (768, 2048)]

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 from gpt import engine, kernels, speculative
 from gpt.checkpoint import load_model
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.quantize import quantize
 from gpt.tokenizer import Tokenizer
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from bench_sample import machine
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.parallel import checkpoint_blocks, shard, wrap_ddp
 from model import GPT, GPTConfig
 from train import make_optimizers

@@ -25,7 +25,7 @@ from bench_sample import MODES, in_mode, machine, settings_for
 from eval import bits_per_byte, val_tokens
 from gpt.checkpoint import load_checkpoint, model_from_checkpoint
 from gpt.engine import decode_batch
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.scoring import token_predictions
 from gpt.tokenizer import Tokenizer
 

@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from gpt.checkpoint import load_model
 from gpt.engine import Samples, decode_batch
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.quantize import quantize
 from gpt.speculative import decode_speculative
 from gpt.tokenizer import Tokenizer

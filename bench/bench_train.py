@@ -24,7 +24,7 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.shards import find_shards
 from train import DEFAULTS
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from data.shakespeare.prepare import split_text
 from gpt import UserError
 from gpt.checkpoint import load_model
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from gpt.tokenizer import Tokenizer
 import model as model_py
 from model import GPT

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
 import torch
 
 from experiments.position import model_and_val_batch  # the same input text, the same machine line
-from gpt.machine import cpu_name
+from gpt.cpuinfo import cpu_name
 from model import CausalSelfAttention
 
 HEAD_DIMS = [16, 64, 256]  # and the trained model's own

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gpt.files import atomic_open
-from gpt.machine import cpu_flags, cpu_name
+from gpt.cpuinfo import cpu_flags, cpu_name
 
 DECODE_ROWS = 16  # inputs of at most this many rows are decode-sized (batched samples, speculative chunks)
 REPEATS = 5  # timings of each candidate, interleaved; the best is kept

@@ -25,26 +25,6 @@ CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, 
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
 
-def cpuinfo_field(*keys):
-    """The first value of any of keys in /proc/cpuinfo, or None where there is no such file (macOS, Windows)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() in keys), None)
-    except OSError:
-        return None
-
-
-def cpu_name():
-    """The CPU's model name as lscpu shows it ("AMD EPYC ...", "Intel(R) Xeon(R) ..."), else the platform's word."""
-    import platform
-    return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
-
-
-def cpu_flags():
-    """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"); [] where they cannot be read."""
-    return (cpuinfo_field("flags", "Features") or "").split()
-
-
 def cpu_counters():
     """(all CPU time, idle CPU time) of the machine summed over its cores, from the kernel's counters (/proc/stat),
     and this process's own CPU time, all in seconds; None where there are no such counters (macOS, Windows)."""
