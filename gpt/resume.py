@@ -31,8 +31,9 @@ def resume_checkpoint(path, world_size, device, max_iters):
 
 
 def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
-    """(iter_num, best_val_loss, elapsed) of the checkpoint, its optimizer, data and loss-scale state loaded: the run
-    continues at the loss scale its skipped steps lowered, not at a fresh 65536."""
+    """(iter_num, best_val_loss, elapsed) of the checkpoint, its optimizer, data and loss-scale state loaded (the run
+    continues at the loss scale its skipped steps lowered, not at a fresh 65536); its tensors, now a second copy of
+    the model and optimizer state, are dropped from it."""
     if checkpoint["settings"]["optimizer"] != optimizer:
         raise UserError(f"the checkpoint was trained with optimizer={checkpoint['settings']['optimizer']}; "
                         f"resume with that optimizer")
@@ -42,8 +43,8 @@ def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
     loader.load_state_dict(checkpoint["loader"])
     if checkpoint.get("scaler"):  # {}: a run without a scaler
         scaler.load_state_dict(checkpoint["scaler"])
+    del checkpoint["model"], checkpoint["optimizers"]
     return checkpoint["iter_num"], checkpoint["best_val_loss"], checkpoint["elapsed"]
-
 
 
 # Settings a resume may change without changing the run, left out of its "settings changed" line: init_from and
