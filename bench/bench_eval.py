@@ -30,7 +30,8 @@ import torch
 from bench.bench_train import machine
 from gpt.checkpoint import load_model
 from gpt.hf import export_hf
-from gpt.tokenizer import GPT2_META, Tokenizer
+from gpt.bpe import GPT2_META
+from gpt.tokenizer import Tokenizer
 from model import GPT, GPTConfig
 
 SHAPES = {  # config/shakespeare_bpe.py's model, and GPT-2 small's

@@ -18,7 +18,7 @@ import torch
 from gpt import UserError
 from gpt.checkpoint import tensor_mismatch
 from gpt.files import write_json
-from gpt.tokenizer import byte_to_unicode, named_encoding, tokenizer_json_meta
+from gpt.bpe import byte_to_unicode, named_encoding, tokenizer_json_meta
 from model import GPT, GPTConfig
 
 # ----------------------------------------------------------------------------------------------------

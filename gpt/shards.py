@@ -53,7 +53,7 @@ def load_meta(data_dir):
     require_dir(data_dir)
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        from gpt.tokenizer import GPT2_META  # what llm.c writes
+        from gpt.bpe import GPT2_META  # what llm.c writes
 
         return dict(GPT2_META)
     try:

@@ -19,7 +19,7 @@ from gpt import UserError
 from gpt.files import atomic_open
 from gpt.prepare import write_meta, write_shard
 from gpt.shards import ShardLoader, check_vocab, load_meta, read_shard
-from gpt.tokenizer import named_encoding
+from gpt.bpe import named_encoding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_PATH = os.path.join(ROOT, "data", "shakespeare", "input.txt")

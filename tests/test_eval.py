@@ -16,7 +16,8 @@ import eval as evaluate
 import train
 from data.shakespeare import prepare as prepare_bpe
 from gpt import UserError
-from gpt.tokenizer import GPT2_META, Tokenizer, char_meta
+from gpt.bpe import GPT2_META
+from gpt.tokenizer import Tokenizer, char_meta
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

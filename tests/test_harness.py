@@ -13,7 +13,8 @@ import torch
 
 from gpt import UserError
 from gpt.scoring import continuation_logprobs, sequence_logprobs, token_logprobs
-from gpt.tokenizer import GPT2_META, Tokenizer
+from gpt.bpe import GPT2_META
+from gpt.tokenizer import Tokenizer
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

@@ -15,7 +15,8 @@ import tiktoken
 import tiktoken.load
 from tiktoken_ext import openai_public
 
-from gpt.tokenizer import GPT2_META, Tokenizer, named_encoding
+from gpt.bpe import GPT2_META, named_encoding
+from gpt.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_FILES = os.path.join(ROOT, "gpt", "tokenizer_files", "gpt2")
@@ -114,7 +115,8 @@ def test_gpt2_tokenizer_offline_encodes_as_tiktoken_without_trying_the_network(t
     code = """if True:
         import json, sys, time
         start = time.perf_counter()
-        from gpt.tokenizer import GPT2_META, Tokenizer
+        from gpt.bpe import GPT2_META
+        from gpt.tokenizer import Tokenizer
         tokenizer = Tokenizer(GPT2_META)
         ids = tokenizer.encode(sys.argv[1], special_tokens=True), tokenizer.encode(sys.argv[1])
         print(json.dumps(dict(ids=ids, text=tokenizer.decode(ids[0]), seconds=time.perf_counter() - start)))"""

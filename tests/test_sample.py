@@ -26,7 +26,7 @@ import torch
 import sample
 from data.shakespeare_char import prepare as prepare_char
 from gpt import UserError
-from gpt.tokenizer import named_encoding
+from gpt.bpe import named_encoding
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py

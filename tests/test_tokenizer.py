@@ -1,6 +1,7 @@
 """Tests for tokenizer.py: streaming BPE decoding never prints half a character. (Offline use: test_offline.py.)"""
 
-from gpt.tokenizer import Tokenizer, named_encoding
+from gpt.bpe import named_encoding
+from gpt.tokenizer import Tokenizer
 from test_sample import TEXT
 
 

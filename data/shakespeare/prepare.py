@@ -15,7 +15,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from gpt import UserError
 from gpt.prepare import dataset_file, write_meta, write_shard
-from gpt.tokenizer import GPT2_META, Tokenizer
+from gpt.bpe import GPT2_META
+from gpt.tokenizer import Tokenizer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TEXT = os.path.join(HERE, "input.txt")
