@@ -35,7 +35,8 @@ import sys
 
 from configurator import configure
 from gpt import UserError
-from gpt.files import FolderInUse, lock_folder, read_jsonl, write_failure, write_json
+from gpt.files import FolderInUse, lock_folder, write_failure, write_json
+from gpt.metrics import read_jsonl
 from gpt.shards import load_meta
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,7 +20,8 @@ matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
 
 from gpt import UserError
-from gpt.files import atomic_open, read_jsonl, write_failure
+from gpt.files import atomic_open, write_failure
+from gpt.metrics import read_jsonl
 
 
 def read_metrics(out_dir):

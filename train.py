@@ -396,17 +396,13 @@ def mfu_of(model, peak_flops, block_size, ptdtype, device_type, world_size, mast
 
 
 def should_stop(stop_signal, world_size, iter_num, log_interval, device):
-    """Whether a signal asked to stop. Under DDP all processes must stop at the same iteration, so they
-    agree through an all-reduce, done only at log iterations to spare a sync per step."""
+    """Whether a signal asked to stop. Under torchrun all processes must stop at the same iteration, so they agree
+    (gpt/parallel.py), only at log iterations to spare a sync per step."""
     if world_size == 1:
         return bool(stop_signal)
-    if iter_num % log_interval != 0:
-        return False
-    flag = torch.tensor(float(bool(stop_signal)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and not stop_signal:
-        stop_signal.append(signal.SIGTERM)
-    return bool(flag.item())
+    from gpt.parallel import agree_to_stop
+
+    return iter_num % log_interval == 0 and agree_to_stop(stop_signal, device)
 
 
 @torch.no_grad()

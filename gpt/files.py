@@ -1,7 +1,7 @@
 """
 Files a run cannot afford to lose, written and read so that a crash, a full disk or a second process never leaves one
-half-written or mixed: checkpoints, token shards, metadata and plots go through atomic_open, train.py locks its out_dir
-with lock_folder, and train.py and plot.py read metrics.jsonl with read_jsonl.
+half-written or mixed: checkpoints, token shards, metadata and plots go through atomic_open, and train.py locks its
+out_dir with lock_folder (metrics.jsonl is read back by gpt/metrics.py).
 """
 
 import contextlib
@@ -49,24 +49,6 @@ def write_failure(error):
     if isinstance(cause, OSError) and cause.strerror:
         return cause.strerror
     return (str(error) or type(error).__name__).splitlines()[0]
-
-
-def read_jsonl(path):
-    """(records, dropped): (line number, record) for each line of a JSON-lines file. A last line that does not parse
-    is what a crash or a full disk leaves mid-write: it is returned as `dropped` (else None), not as a record. A bad
-    line anywhere else raises ValueError naming the file and line."""
-    with open(path, errors="replace") as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    records = []
-    for i, (lineno, line) in enumerate(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) - 1:
-                return records, line
-            raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-        records.append((lineno, record))
-    return records, None
 
 
 class FolderInUse(Exception):

@@ -19,6 +19,7 @@ any run resumes under DDP, FSDP or one process, on any number of processes.
 import contextlib
 import math
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -146,6 +147,15 @@ def gradient_sync(model, enabled):
 
 
 @contextlib.contextmanager
+def agree_to_stop(stop_signal, device):
+    """Whether any process heard a stop signal (an all-reduce); one that did not hears SIGTERM from the others."""
+    flag = torch.tensor(float(bool(stop_signal)), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not stop_signal:
+        stop_signal.append(signal.SIGTERM)
+    return bool(flag.item())
+
+
 def whole_root(model):
     """Under FSDP, the root's parameters (embedding, final norm, head) gathered while in the block: code that calls
     the model's parts instead of its forward (the engine's scorers call hidden_states and lm_head) needs them.

@@ -11,7 +11,8 @@ import time
 
 from gpt import UserError
 from gpt.checkpoint import load_checkpoint
-from gpt.files import atomic_open, read_jsonl
+from gpt.files import atomic_open
+from gpt.metrics import read_jsonl
 from model import GPTConfig
 
 
