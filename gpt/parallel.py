@@ -146,7 +146,6 @@ def gradient_sync(model, enabled):
         yield
 
 
-@contextlib.contextmanager
 def agree_to_stop(stop_signal, device):
     """Whether any process heard a stop signal (an all-reduce); one that did not hears SIGTERM from the others."""
     flag = torch.tensor(float(bool(stop_signal)), device=device)
@@ -156,6 +155,7 @@ def agree_to_stop(stop_signal, device):
     return bool(flag.item())
 
 
+@contextlib.contextmanager
 def whole_root(model):
     """Under FSDP, the root's parameters (embedding, final norm, head) gathered while in the block: code that calls
     the model's parts instead of its forward (the engine's scorers call hidden_states and lm_head) needs them.
