@@ -30,7 +30,6 @@ def resume_checkpoint(path, world_size, device, max_iters):
     return checkpoint
 
 
-
 def restore(checkpoint, optimizer, model, optimizers, loader, scaler):
     """(iter_num, best_val_loss, elapsed) of the checkpoint, its optimizer, data and loss-scale state loaded (the run
     continues at the loss scale its skipped steps lowered, not at a fresh 65536); its tensors, now a second copy of
