@@ -1,9 +1,10 @@
 # Character-level Tiny Shakespeare on a laptop CPU: the first run of this repo.
 #   python data/shakespeare_char/prepare.py && python train.py config/small.py && python sample.py --prompt "ROMEO:"
-# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-25): 1000 iterations at 55-60 ms, val loss 1.633
-# (mean of 5 seeds 1.629), 62-65 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
-# on the same machine: 1.886 in 76-79 s. The change to Muon won a compare.py comparison across seeds; what else
-# was tried and could not be told from noise is in bench/RESULTS.md.
+# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-26): 1000 iterations at 70-100 ms, val loss 1.6275
+# (mean of 5 seeds 1.621), 80-111 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
+# on the same machine: 1.886 in 90-102 s (the VM ran ~1.3x slower than the day before). Muon and the untied head
+# each won a compare.py comparison across seeds, on characters and on GPT-2 tokens; what else was tried, and
+# lost or could not be told from noise, is in bench/RESULTS.md.
 out_dir = "out-small"
 dataset = "shakespeare_char"
 eval_interval = 400
@@ -21,8 +22,8 @@ n_kv_head = 4
 n_embd = 128
 dropout = 0.0  # one pass over the data: nothing to regularize yet
 # An output head of its own, not the token embedding's transpose (modded-nanogpt unties them too): val -0.0083 (95%
-# interval -0.0116 to -0.0049) over 5 seeds at 1000 iterations, and -0.16 on GPT-2 tokens (config/shakespeare_bpe.py
-# with Muon, 120 iterations, 3 seeds); 8K more parameters here. Llama and Qwen3 have it too: still exportable.
+# interval -0.0116 to -0.0049) over 5 seeds at 1000 iterations, and -0.17 on GPT-2 tokens (config/shakespeare_bpe.py
+# with Muon, 120 iterations, 3 seeds); 16K more parameters here. Llama and Qwen3 have it too: still exportable.
 tie_embeddings = False
 
 # Muon for the matrices inside the blocks, AdamW for the rest: val -0.150 (95% interval -0.180 to -0.119) against
