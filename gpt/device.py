@@ -14,12 +14,12 @@ def resolve_device(device):
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise UserError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                                  "use --device=cpu (or auto)")
+                            "use --device=cpu (or auto)")
         index, count = torch.device(device).index, torch.cuda.device_count()
         if index is not None:
             if index >= count:
                 raise UserError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
-                                      f"cuda:{count - 1}")
+                                f"cuda:{count - 1}")
             torch.cuda.set_device(index)
     return device
 
@@ -36,7 +36,7 @@ def resolve_dtype(dtype, device):
     if dtype == "bfloat16" and cuda and cuda_capability(device) < (8, 0):
         major, minor = cuda_capability(device)
         raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
-                              "only emulates bfloat16; use --dtype=float16 (or auto)")
+                        "only emulates bfloat16; use --dtype=float16 (or auto)")
     return getattr(torch, dtype)
 
 

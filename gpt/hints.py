@@ -9,7 +9,8 @@ import os
 import re
 import shlex
 
-DATA_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")  # the repository's data/
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+DATA_ROOT = os.path.join(ROOT, "data")
 
 
 def prepare_script(name):
@@ -78,8 +79,7 @@ def train_command(path, config=None, extra=""):
 def config_for(out_dir):
     """The config file (config/NAME.py) whose out_dir the folder is named after, else config/small.py: a missing
     out-shakespeare-bpe is trained by config/shakespeare_bpe.py, not by the character model's config."""
-    configs = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
-    for path in sorted(glob.glob(os.path.join(configs, "*.py"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "config", "*.py"))):
         with open(path, encoding="utf-8") as f:  # read, not run: a hint must not execute a config
             named = re.search(r"^out_dir\s*=\s*[\"']([^\"']+)[\"']", f.read(), re.M)
         if named and named.group(1) == os.path.basename(os.path.normpath(out_dir)):
