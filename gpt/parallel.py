@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import UserError
+from gpt.muon import Muon
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
@@ -64,31 +65,19 @@ def shard(model, param_dtype):
     return model
 
 
-class ShardedMuon(torch.optim.Muon):
-    """torch.optim.Muon for FSDP's row-sharded matrices (DTensors), with Muon's state and numbers. Newton-Schulz needs
+class ShardedMuon(Muon):
+    """gpt.muon.Muon for FSDP's row-sharded matrices (DTensors), with Muon's state and numbers. Newton-Schulz needs
     a whole matrix: each matrix's update is gathered, orthogonalized by one rank (the matrices take turns, as
     nanochat and modded-nanogpt share Muon's work) and its rows sent back. torch.optim.Muon runs on DTensors too,
     but splits every Newton-Schulz product into collectives, many times slower a step (bench/RESULTS.md)."""
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def orthogonalized(self, update, group, i):
         from torch.distributed.tensor import distribute_tensor
-        from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz  # the formulas torch's Muon uses
 
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        for group in self.param_groups:
-            params, grads, buffers = [], [], []
-            self._init_group(group, params, grads, buffers)  # Muon's own: state["momentum_buffer"] as it keeps it
-            for i, (param, grad, buffer) in enumerate(zip(params, grads, buffers)):
-                buffer.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                owner, whole = i % world_size, update.full_tensor()  # (out, in) on every rank
-                if rank == owner:  # in bfloat16, as torch's Muon; sent in the dtype every rank expects
-                    whole = _zeropower_via_newtonschulz(whole, group["ns_coefficients"], group["ns_steps"],
-                                                        group["eps"]).to(whole.dtype)
-                update = distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=owner)
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+        owner, whole = i % dist.get_world_size(), update.full_tensor()  # (out, in) on every rank
+        if dist.get_rank() == owner:  # sent in the dtype every rank expects
+            whole = super().orthogonalized(whole, group, i).to(whole.dtype)
+        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=owner)
 
 
 def wrap_ddp(model, device):

@@ -107,10 +107,10 @@ def test_fsdp_ddp_and_one_process_train_the_same_model(runs):
 
 def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(workdir, tmp_path):
     """optimizer=muon with fsdp=True (gpt.parallel.ShardedMuon: each matrix orthogonalized whole by one rank): 3
-    iterations, resumed to 6 under FSDP, give one process's 6 iterations with torch.optim.Muon: the same losses within
-    1e-5, so its state saves and loads as Muon's. Gradient norms and weights within 1e-3 only: Muon's Newton-Schulz
-    runs in bfloat16 (torch's, and here too), where gradients summed in another order can round an update element to
-    the next bfloat16 (measured: 5.7e-6 in the losses, 1.0e-4 in a gradient norm, 1.9e-4 in the weights; DDP with
+    iterations, resumed to 6 under FSDP, give one process's 6 iterations with gpt.muon.Muon: the same losses within
+    1e-5, so its state saves and loads as Muon's. Gradient norms and weights within 1e-3 only: where Newton-Schulz
+    runs in bfloat16 (torch's choice), gradients summed in another order can round an update element to the next
+    bfloat16 (measured: 5.7e-6 in the losses, 1.0e-4 in a gradient norm, 1.9e-4 in the weights; DDP with
     torch.optim.Muon differs from one process as much)."""
     muon, dirs = ["--optimizer=muon"], {name: str(tmp_path / name) for name in ("single", "fsdp")}
     with torchrun(workdir, dirs["fsdp"], str(tmp_path / "fsdp.txt"), "--max_iters=3", "--fsdp=True", *muon) as proc:
@@ -132,13 +132,16 @@ def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(workdir, tmp_pat
 
 
 SHARDED_MUON = """
-import copy, sys, torch, torch.distributed as dist, torch.optim._muon as muon_module
+import copy, sys, torch, torch.distributed as dist, torch.optim._muon as torch_muon
 sys.path.insert(0, ROOT)
 from torch.distributed.fsdp import fully_shard
+from gpt import muon
 from gpt.parallel import ShardedMuon
 dist.init_process_group("gloo")
-calls, orthogonalize = [], muon_module._zeropower_via_newtonschulz
-muon_module._zeropower_via_newtonschulz = lambda *args: calls.append(args[0].shape) or orthogonalize(*args)
+calls = []
+for module, name in ((torch_muon, "_zeropower_via_newtonschulz"), (muon, "orthogonalize")):  # torch's and ours
+    setattr(module, name, lambda *args, f=getattr(module, name): calls.append(args[0].shape) or f(*args))
+muon.choose_dtype = lambda group: "bfloat16"  # as torch's Muon, whatever this machine's timing says
 torch.manual_seed(0)
 shapes = [(8, 6), (6, 5), (5, 4)]  # rows 8, 6 and 5: 5 splits unevenly (3 and 2)
 sharded = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out, bias=False) for n_out, n_in in shapes[::-1]])

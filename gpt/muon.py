@@ -1,0 +1,91 @@
+"""Muon for the matrices inside the blocks: torch.optim.Muon's step, its Newton-Schulz orthogonalization in bfloat16
+(torch's choice) unless this machine computes it much faster in float32. A CPU without bfloat16 instructions (no
+AVX512-BF16 or AMX) has oneDNN emulate them: config/small.py's 28 matrices took 580 ms a step in bfloat16 against
+28 ms in float32 there, 7x the whole step (bench/RESULTS.md). Chosen by timing both once on the model's shapes."""
+
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.optim._muon import _adjust_lr  # the learning rate per matrix shape, as torch's Muon scales it
+
+# float32 only where bfloat16 is clearly slower: where the two are close, timing noise would otherwise pick either,
+# and two runs of the same command would differ in their last digits (measured ratios: 0.85 with AVX512-BF16, 20
+# without it)
+SLOWER = 1.5
+
+
+def orthogonalize(update, coefficients, steps, eps, dtype):
+    """torch.optim.Muon's quintic Newton-Schulz iteration (torch/optim/_muon.py, which fixes it to bfloat16) in dtype:
+    about the nearest semi-orthogonal matrix to update (its singular values brought near 1). (out, in) -> (out, in)."""
+    a, b, c = coefficients
+    x = update.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T  # (short, long): the Gram matrix below is the smaller one
+    x = x / x.norm().clamp(min=eps)  # the Frobenius norm bounds the spectral norm: singular values now at most 1
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.T if tall else x
+
+
+def seconds_per_step(shapes, dtype, group, device, clock):
+    """How long one step's orthogonalization of matrices of these shapes takes in dtype: each distinct shape timed
+    once and counted as often as it occurs, the fastest of 3 tries after one that warms the library's kernels up."""
+    counts = Counter(shapes)
+    matrices = {shape: torch.randn(shape, device=device) for shape in counts}
+    tries = []
+    for _ in range(4):
+        total = 0.0
+        for shape, count in counts.items():
+            start = clock()
+            orthogonalize(matrices[shape], group["ns_coefficients"], group["ns_steps"], group["eps"], dtype).sum().item()
+            total += count * (clock() - start)  # .item() waits for an accelerator to finish
+        tries.append(total)
+    return min(tries[1:])
+
+
+def choose_dtype(group, clock=time.perf_counter):
+    """"bfloat16", or "float32" where bfloat16 takes SLOWER times as long on this group's matrices. Every process of
+    a distributed run takes rank 0's choice, so that their copies of the model step alike."""
+    shapes = [tuple(param.shape) for param in group["params"]]  # whole matrices, also where FSDP shards them
+    device = group["params"][0].device
+    bf16, fp32 = (seconds_per_step(shapes, dtype, group, device, clock) for dtype in (torch.bfloat16, torch.float32))
+    choice = ["float32" if bf16 > SLOWER * fp32 else "bfloat16"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] == "float32" and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"muon: orthogonalizing in float32, which took {fp32 * 1e3:.0f} ms a step here against bfloat16's "
+              f"{bf16 * 1e3:.0f} ms")
+    return choice[0]
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon, orthogonalizing in the dtype choose_dtype picks. The choice is each param group's "ns_dtype"
+    and is saved with the optimizer's state: a resumed run steps as the run it continues, and a checkpoint from before
+    the choice existed resumes in torch's bfloat16."""
+
+    def __init__(self, params, **settings):
+        super().__init__(params, **settings)
+        for group in self.param_groups:
+            group["ns_dtype"] = choose_dtype(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """torch.optim.Muon's step (its _single_tensor_muon), with each update orthogonalized by self.orthogonalized."""
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            self._init_group(group, params, grads, buffers)  # Muon's own: state["momentum_buffer"] as it keeps it
+            for i, (param, grad, buffer) in enumerate(zip(params, grads, buffers)):
+                buffer.lerp_(grad, 1 - group["momentum"])
+                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+                update = self.orthogonalized(update, group, i)
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
+
+    def orthogonalized(self, update, group, i):
+        """The i-th matrix's update orthogonalized (gpt.parallel.ShardedMuon shares the work out instead)."""
+        dtype = getattr(torch, group.get("ns_dtype", "bfloat16"))
+        return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)

@@ -1,0 +1,102 @@
+"""Tests for gpt/muon.py: torch.optim.Muon's step with its orthogonalization in the dtype this machine computes
+faster, and how that choice is made and kept."""
+
+import copy
+
+import pytest
+import torch
+
+from gpt import muon
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+SETTINGS = dict(lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+
+
+def three_matrices():
+    """Square, tall and wide weights: Newton-Schulz iterates on the wide side, transposing a tall matrix."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 12, bias=False), torch.nn.Linear(12, 20, bias=False),
+                               torch.nn.Linear(20, 7, bias=False))
+
+
+def train_steps(model, optimizer, steps=3):
+    x = torch.randn(5, 12, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        model(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def with_dtype(monkeypatch, name):
+    monkeypatch.setattr(muon, "choose_dtype", lambda group: name)
+
+
+def test_in_bfloat16_it_steps_exactly_as_torchs_muon(monkeypatch):
+    """The same momentum, weight decay, learning-rate scaling and bfloat16 Newton-Schulz: equal weights, bit for bit,
+    after 3 steps (what the bfloat16 choice promises: today's numbers wherever bfloat16 is not much slower)."""
+    with_dtype(monkeypatch, "bfloat16")
+    ours, torchs = three_matrices(), three_matrices()
+    got = train_steps(ours, muon.Muon(ours.parameters(), **SETTINGS))
+    expected = train_steps(torchs, torch.optim.Muon(torchs.parameters(), **SETTINGS))
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_in_float32_it_orthogonalizes_as_torchs_bfloat16_does():
+    """Newton-Schulz in float32 on a tall, a wide and a square matrix: float32 out, within bfloat16's rounding of
+    torch's own (bfloat16) result, and its singular values in the band Muon's coefficients aim at (0.5 to 1.5,
+    torch's docstring says)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    coefficients, generator = (3.4445, -4.7750, 2.0315), torch.Generator().manual_seed(2)
+    for shape in ((30, 10), (10, 30), (16, 16)):
+        update = torch.randn(shape, generator=generator)
+        got = muon.orthogonalize(update, coefficients, 5, 1e-7, torch.float32)
+        expected = _zeropower_via_newtonschulz(update, coefficients, 5, 1e-7)
+        assert got.dtype == torch.float32 and got.shape == shape
+        torch.testing.assert_close(got, expected.float(), atol=0.03, rtol=0)
+        singular_values = torch.linalg.svdvals(got)
+        assert singular_values.min() > 0.5 and singular_values.max() < 1.5, singular_values
+
+
+@pytest.mark.parametrize("bf16, fp32, chosen", [(2.0, 1.0, "float32"), (1.2, 1.0, "bfloat16"), (0.8, 1.0, "bfloat16")])
+def test_float32_is_chosen_only_where_bfloat16_is_much_slower(monkeypatch, capsys, bf16, fp32, chosen):
+    """The timed choice, and the line that says so when it departs from torch's bfloat16."""
+    seconds = {torch.bfloat16: bf16, torch.float32: fp32}
+    monkeypatch.setattr(muon, "seconds_per_step", lambda shapes, dtype, *rest: seconds[dtype])
+    group = dict(params=list(three_matrices().parameters()))
+    assert muon.choose_dtype(group) == chosen
+    assert ("orthogonalizing in float32" in capsys.readouterr().out) == (chosen == "float32")
+
+
+def test_a_step_is_timed_on_each_shape_as_often_as_it_occurs():
+    """A clock that advances 1 a reading: each distinct shape is timed once a try, counted as often as it occurs."""
+    readings = iter(range(1000))
+    group = dict(ns_coefficients=(3.4445, -4.7750, 2.0315), ns_steps=5, eps=1e-7)
+    shapes = [(4, 4), (4, 4), (4, 4), (8, 4)]
+    assert muon.seconds_per_step(shapes, torch.float32, group, "cpu", lambda: next(readings)) == 4.0
+
+
+def test_the_choice_is_saved_and_a_checkpoint_from_before_it_resumes_in_bfloat16(monkeypatch):
+    """A resumed run keeps the dtype of the run it continues, not a new timing; torch.optim.Muon's state (no dtype
+    in it: what checkpoints of 2026-11-24 to 26 hold) resumes in torch's bfloat16, stepping exactly as torch's."""
+    with_dtype(monkeypatch, "float32")
+    model = three_matrices()
+    saved = muon.Muon(model.parameters(), **SETTINGS)
+    assert saved.state_dict()["param_groups"][0]["ns_dtype"] == "float32"
+    with_dtype(monkeypatch, "bfloat16")
+    resumed = muon.Muon(model.parameters(), **SETTINGS)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.param_groups[0]["ns_dtype"] == "float32"
+
+    ours, torchs = three_matrices(), three_matrices()
+    before = torch.optim.Muon(torchs.parameters(), **SETTINGS)
+    train_steps(torchs, before, steps=1)
+    old = muon.Muon(ours.parameters(), **SETTINGS)
+    ours.load_state_dict(torchs.state_dict())
+    old.load_state_dict(copy.deepcopy(before.state_dict()))
+    assert "ns_dtype" not in old.param_groups[0]
+    for g, e in zip(train_steps(ours, old, steps=2), train_steps(torchs, before, steps=2)):
+        assert torch.equal(g, e)
