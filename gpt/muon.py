@@ -1,7 +1,7 @@
-"""Muon for the matrices inside the blocks: torch.optim.Muon's step, its Newton-Schulz orthogonalization in bfloat16
-(torch's choice) unless this machine computes it much faster in float32. A CPU without bfloat16 instructions (no
-AVX512-BF16 or AMX) has oneDNN emulate them: config/small.py's 28 matrices took 580 ms a step in bfloat16 against
-28 ms in float32 there, 7x the whole step (bench/RESULTS.md). Chosen by timing both once on the model's shapes."""
+"""Muon for the matrices inside the blocks: torch.optim.Muon's step, with its Newton-Schulz orthogonalization in
+float32 where this machine computes torch's bfloat16 much slower: a CPU without bfloat16 instructions (no AVX512-BF16
+or AMX), where oneDNN emulates them, ran config/small.py 6x slower for it (bench/RESULTS.md). Chosen by timing both
+once a run on the model's own shapes."""
 
 import time
 from collections import Counter
@@ -10,9 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.optim._muon import _adjust_lr  # the learning rate per matrix shape, as torch's Muon scales it
 
-# float32 only where bfloat16 is clearly slower: where the two are close, timing noise would otherwise pick either,
-# and two runs of the same command would differ in their last digits (measured ratios: 0.85 with AVX512-BF16, 20
-# without it)
+# float32 only where bfloat16 is clearly slower: near a tie, timing noise would pick either, and two runs of one
+# command would differ in their last digits
 SLOWER = 1.5
 
 
