@@ -603,7 +603,10 @@ def test_float16_with_fsdp_is_refused_naming_a_dtype_the_card_runs():
 def torchrun_errors(workdir, out_dir, processes, device):
     """The "error: " lines of a torchrun train.py run that must fail before its process group starts."""
     args = [a for a in TINY if not a.startswith("--device")] + [f"--device={device}", f"--out_dir={out_dir}"]
-    result = subprocess.run([*TORCHRUN[:-1], f"--nproc_per_node={processes}", TRAIN, *args], cwd=workdir,
+    # torchrun stops the other processes at its first look after one fails (every 0.1 s by default): a process still
+    # importing torch under load was stopped before its line (a suite run saw one line of two); every 10 s instead
+    monitor = "--monitor-interval=10"
+    result = subprocess.run([*TORCHRUN[:-1], monitor, f"--nproc_per_node={processes}", TRAIN, *args], cwd=workdir,
                             capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     # the processes share one stderr, where under load one's line can run into another's before its newline
