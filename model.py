@@ -75,7 +75,15 @@ class GPTConfig:
 
 
 def norm(dim, config):  # every norm of the model is made here: RMSNorm with a learned scale (Llama, Qwen3)
-    return nn.RMSNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, eps=config.norm_eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    def forward(self, x):
+        # Its scale in x's dtype, as autocast casts a Linear's weight: under autocast q and k come out of their
+        # projections in bf16 while the scale stays fp32, and on that mismatch torch skips CUDA's fused kernel for
+        # 8 separate ops, warning on every run. The statistics are computed in fp32 either way.
+        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -33,8 +33,8 @@ OMP_NUM_THREADS=1), so they are slower, not larger.
 fp32, and the forward runs under torch.autocast(device, bfloat16) (single, DDP), or, under FSDP, with bf16 as the
 MixedPrecisionPolicy's param_dtype and no autocast. Autocast's bf16 copies of the weights, saved for the backward,
 count as activations. On CPU the figures estimate a GPU's, they do not measure it: autocast's op lists differ by
-device (CUDA's runs rms_norm in fp32, CPU's leaves it to the input's dtype), though for this model the tensors
-saved for the backward come out the same; CPU's SDPA picks a flash kernel too (O(T) memory, GQA without repeating
+device (though both leave rms_norm to its input's dtype: seen with torch 2.11 on an H100), and the tensors saved for
+the backward come out the same; CPU's SDPA picks a flash kernel too (O(T) memory, GQA without repeating
 k and v), as CUDA's does; and AdamW on CPU is foreach (temporaries the size of the parameters), fused on CUDA.
 """
 

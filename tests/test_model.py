@@ -381,6 +381,31 @@ def test_targets_of_minus_one_are_ignored(device):
     torch.testing.assert_close(loss, expected)
 
 
+def test_every_norm_gets_its_scale_in_the_input_dtype_under_autocast(device, monkeypatch):
+    """Under bf16 autocast (train.py's mixed precision) q and k leave their projections in bf16 while the norms'
+    scales are fp32 parameters; on that mismatch torch skips CUDA's fused rms_norm kernel for the composite one
+    (seen on an H100: a warning in every run). Every call must see one dtype, the scale still learn in fp32, and
+    the result match fp32 arithmetic to bf16's precision."""
+    calls, rms_norm = [], F.rms_norm
+
+    def spy(x, shape, weight=None, eps=None):
+        calls.append((x.dtype, weight.dtype))
+        return rms_norm(x, shape, weight, eps)
+
+    model = tiny_model(qk_norm=True).to(device)
+    idx = torch.randint(0, 97, (2, 16), device=device)
+    expected, _ = model(idx)
+    monkeypatch.setattr(F, "rms_norm", spy)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+    loss.backward()
+    assert len(calls) == 2 * 4 + 1  # in each of 2 blocks: the attention's and MLP's input norms, q's and k's; the final one
+    assert all(x == weight for x, weight in calls), calls
+    assert {dtype for dtype, _ in calls} == {torch.float32, torch.bfloat16}  # the residual stream stays fp32
+    assert model.layers[0].self_attn.q_norm.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(logits.float(), expected, atol=0.05, rtol=0.05)
+
+
 def test_num_params_counts_by_hand():
     cfg = tiny_config(n_kv_head=2, mlp="swiglu", qk_norm=True, tie_embeddings=True)
     C, hd, kv_width = cfg.n_embd, cfg.head_dim, 2 * cfg.head_dim
