@@ -43,10 +43,11 @@ their losses agree. The model has GPT-2 small's shape (12 x 768, 4 kv heads, con
 precision train.py picks (bf16 from compute capability 8.0, fp16 before), or with --tiny a tiny one; the losses
 mean little, the paths and the speed are the point.
 
-Time on one H100, estimated (no GPU has run it yet): 10-15 minutes of rows, most of it torch.compile (train, ddp,
-fsdp, the resume rows' six runs, the compiled memory runs at 32 and 64 and the three compiled decodes each compile
-for ~30-60 s, less where inductor's caches hold what an earlier run compiled), plus the test suite; --no_tests, or
---memory_batches=16 (measured by the train rows already), make it shorter.
+Time on one H100 (2026-11-26, torch 2.11, a cold inductor cache; bench/RESULTS.md): with --no_tests --iters=20
+--memory_batches=16, 545 s reached only the eval row: train 66 s, ddp 102 s, fsdp 42 s, the resume rows 57, 100 and
+70 s, most of it torch.compile (32-45 s a first step); the decoding rows compile again (~70 s each compiled decode).
+A lease of 15 minutes holds the training rows or the decoding rows, not both: --skip leaves rows out, e.g.
+    python bench/gpu_check.py --no_tests --skip=ddp,fsdp,resume,resume_ddp,resume_fsdp,fp16,bf16,memory
 
 Everything goes to out-gpu-check/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and
 every command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
@@ -713,8 +714,9 @@ ROWS = [
 # Running the rows, the summary
 
 
-def run_rows(ctx, rows, save=lambda: None):
-    """Run each row, recording into ctx.results whatever happens to it, and go on to the next; save() after each."""
+def run_rows(ctx, rows, save=lambda: None, skip=()):
+    """Run each row but those named in skip, recording into ctx.results whatever happens to it, and go on to the
+    next; save() after each."""
     for number, (name, needs, row) in enumerate(rows, 1):
         print(f"[{number}/{len(rows)}] {name} ...", flush=True)
         with open(ctx.log, "a") as f:
@@ -722,6 +724,8 @@ def run_rows(ctx, rows, save=lambda: None):
         ctx.commands, start = [], time.perf_counter()
         missing = [need for need in needs if ctx.results.get(need, {}).get("status") != "PASS"]
         try:
+            if name in skip:
+                raise RowSkipped("--skip")
             if missing:
                 raise RowFailed(f"needs the {missing[0]} row, which did not pass")
             figures, key = row(ctx)
@@ -809,12 +813,23 @@ def positive_ints(text, what, many=False):
     return [int(v) for v in values] if many else int(values[0])
 
 
+def row_names(text):
+    """The rows --skip names; a name that is no row is one line that lists them."""
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in {row[0] for row in ROWS}]
+    if unknown:
+        sys.exit(f"error: --skip: no row {unknown[0]!r}; the rows are {', '.join(row[0] for row in ROWS)}")
+    return names
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or cuda:N; "
                         "passed to every train.py and sample.py")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 124M shape (any machine)")
     parser.add_argument("--no_tests", action="store_true", help="skip the test suite")
+    parser.add_argument("--skip", default="", help="rows to leave out, comma-separated (a row that needs one fails "
+                        "saying so)")
     parser.add_argument("--iters", default="", help="training iterations per row (default 50, tiny 12)")
     parser.add_argument("--batch_size", default="", help="sequences per process and micro-step (default 16, tiny 4)")
     parser.add_argument("--memory_batches", default="", help="micro-batches whose peak memory is measured, comma-"
@@ -823,6 +838,7 @@ def main():
                         "(default 1800; a hung NCCL collective would otherwise never end)")
     parser.add_argument("--out", default="", help="the JSON file (default out-gpu-check/gpu_check_<device>.json)")
     args = parser.parse_args()
+    skip = row_names(args.skip)
     setup = device_setup(args.device)
     iters = positive_ints(args.iters or ("12" if args.tiny else "50"), "--iters")
     batch = positive_ints(args.batch_size or ("4" if args.tiny else "16"), "--batch_size")
@@ -855,7 +871,7 @@ def main():
 
     print(f"device: {ctx.name}; torch {torch.__version__}; every command's output goes to {ctx.log}", flush=True)
     start = time.perf_counter()
-    run_rows(ctx, ROWS, save)
+    run_rows(ctx, ROWS, save, skip)
     for path in glob.glob(os.path.join(ctx.work, "*", "ckpt.pt")):  # train's, and any a failed row left
         os.remove(path)
     report["seconds"] = round(time.perf_counter() - start, 1)

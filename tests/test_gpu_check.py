@@ -172,6 +172,25 @@ def test_a_failing_row_is_reported_with_its_error_and_the_rest_still_run(tmp_pat
     assert "raise RuntimeError('broken on purpose')" in log.split("FAIL broken")[1]
 
 
+def test_skipped_rows_run_nothing_and_a_row_that_needs_one_fails_saying_so(tmp_path):
+    """--skip, for a lease too short for every row (bench/RESULTS.md: an H100's 15 minutes held the training rows)."""
+    gpu_check = load_script()
+    ran = []
+    rows = [("first", [], lambda ctx: ran.append("first") or ({}, "ran")),
+            ("left_out", [], lambda ctx: ran.append("left_out") or ({}, "ran")),
+            ("needs_it", ["left_out"], lambda ctx: ran.append("needs_it") or ({}, "ran")),
+            ("last", [], lambda ctx: ran.append("last") or ({}, "ran"))]
+    ctx = SimpleNamespace(log=str(tmp_path / "log.txt"), results={}, commands=[], name="CPU (test)", capability=None)
+    gpu_check.run_rows(ctx, rows, skip=gpu_check.row_names(""))
+    assert ran == ["first", "left_out", "needs_it", "last"]  # nothing named: every row runs
+    ran.clear()
+    gpu_check.run_rows(ctx, rows, skip=["left_out"])
+    assert ran == ["first", "last"]
+    assert [(r["status"], r.get("key") or r["error"]) for r in ctx.results.values()] == [
+        ("PASS", "ran"), ("SKIP", "skipped: --skip"), ("FAIL", "needs the left_out row, which did not pass"),
+        ("PASS", "ran")]
+
+
 def test_a_command_past_the_timeout_is_stopped_with_its_torchrun_workers(tmp_path):
     """torchrun's workers run in sessions of their own: stopping the command must end them too (on a GPU, a hung
     worker would hold the card), and the row fails saying so."""
@@ -199,7 +218,8 @@ def test_bad_input_is_one_line():
     gpu_check = load_script()  # the other checks, in this process (each run of the script costs an import torch)
     checks = [(lambda: gpu_check.positive_ints("8,x", "--memory_batches", many=True),
                "error: --memory_batches must be positive integers, comma-separated, got '8,x'"),
-              (lambda: gpu_check.positive_ints("12,4", "--iters"), "error: --iters must be a positive integer, got '12,4'")]
+              (lambda: gpu_check.positive_ints("12,4", "--iters"), "error: --iters must be a positive integer, got '12,4'"),
+              (lambda: gpu_check.row_names("train,trian"), "error: --skip: no row 'trian'; the rows are tests, data, ")]
     if torch.cuda.device_count() <= 7:
         checks.append((lambda: gpu_check.device_setup("cuda:7"), "error: --device=cuda:7, but this "))
     for call, message in checks:
