@@ -399,7 +399,7 @@ def test_every_norm_gets_its_scale_in_the_input_dtype_under_autocast(device, mon
     with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
         logits, loss = model(idx, idx)
     loss.backward()
-    assert len(calls) == 2 * 4 + 1  # in each of 2 blocks: the attention's and MLP's input norms, q's and k's; the final one
+    assert len(calls) == 2 * 4 + 1  # 2 blocks of 4 (attention's and MLP's inputs, q, k) and the final norm
     assert all(x == weight for x, weight in calls), calls
     assert {dtype for dtype, _ in calls} == {torch.float32, torch.bfloat16}  # the residual stream stays fp32
     assert model.layers[0].self_attn.q_norm.weight.grad.dtype == torch.float32
