@@ -85,6 +85,7 @@ TINY_SHAPE = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--bl
 SPEED = re.compile(r"(\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s; ([\d.]+) after the first \d+\)")  # sample.py's
 ACCEPTED = re.compile(r"draft acceptance rate [\d.]+% \((\d+)/(\d+)\)")  # sample.py's, with --draft
 PRECISION = re.compile(r"process\(es\) on \S+, torch\.(\w+)")  # train.py's first line names the dtype it picked
+WARNING = re.compile(r"\b\w*Warning: .*")  # Python's warnings, torch's C++ ones included (the H100's first run had one)
 # torchrun's launcher, once a worker failed, prints its own traceback and a summary that name no cause: the cause is
 # in the worker's output before this line
 TORCHRUN_REPORT = re.compile(r"^E\d{4} .*torch/distributed/elastic/multiprocessing/api\.py:\d+\] failed", re.M)
@@ -225,7 +226,7 @@ def training_figures(out_dir, output):
     """A train.py run's figures from its metrics.jsonl: median ms/iter, tokens/s and MFU of the logged iterations
     after the first two timed ones (warm-up); the first step's seconds (train.py times it alone: compilation) and
     the graphs it compiled (compiled_graphs, where train.py logs it); the peak memory (CUDA); the final loss; the
-    precision train.py picked. A loss that is not finite fails the row."""
+    precision train.py picked; the warnings it printed. A loss that is not finite fails the row."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "loss" in r]
@@ -239,6 +240,7 @@ def training_figures(out_dir, output):
                    final_loss=steps[-1]["loss"] if steps else None, iters=steps[-1]["iter"] if steps else 0)
     precision = PRECISION.search(output)
     figures["precision"] = precision.group(1) if precision else None
+    figures["warnings"] = sorted({line[:300] for line in WARNING.findall(output)})  # each once, whichever rank said it
     losses = [r[key] for r in records for key in ("loss", "train_loss", "val_loss") if key in r]
     if not steps or not all(math.isfinite(loss) for loss in losses):
         raise RowFailed(f"losses not finite: {losses[-5:]}", output, figures)
@@ -254,7 +256,9 @@ def speed(figures):
         text += f", MFU {100 * figures['mfu']:.1f}%"
     if figures.get("peak_memory_gb"):
         text += f", peak {figures['peak_memory_gb']:.1f} GB"
-    return text + f", loss {figures['final_loss']:.4f}, {figures['precision']}"
+    text += f", loss {figures['final_loss']:.4f}, {figures['precision']}"
+    warnings = figures.get("warnings")
+    return text + (f"; {len(warnings)} warning(s), first: {warnings[0][:120]}" if warnings else "")
 
 
 def compile_note(ctx, figures, output):

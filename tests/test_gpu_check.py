@@ -191,6 +191,23 @@ def test_skipped_rows_run_nothing_and_a_row_that_needs_one_fails_saying_so(tmp_p
         ("PASS", "ran")]
 
 
+def test_a_training_run_that_warns_says_so_in_its_row(tmp_path):
+    """A warning printed by train.py reaches the row's figures and its summary line, once however many ranks print
+    it: the H100's first run printed torch's fused-rms_norm warning on every training row, and only its log said so."""
+    gpu_check = load_script()
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps(dict(iter=i, loss=3.0, ms_per_iter=40.0, tokens_per_sec=4e5)) + "\n" for i in range(1, 6)))
+    first_line = "114.15M parameters, 16,384 tokens per iteration, 1 process(es) on cuda:0, torch.bfloat16\n"
+    warning = ("UserWarning: Mismatch dtype between input and weight: input dtype = c10::BFloat16, weight dtype = "
+               "float, Cannot dispatch to fused implementation.")
+    printed = f"/torch/nn/functional.py:2954: {warning}\n  return torch.rms_norm(input)\n"
+    quiet = gpu_check.training_figures(str(tmp_path), first_line)
+    warned = gpu_check.training_figures(str(tmp_path), first_line + printed + "iter 1: loss 3.0\n" + printed)
+    assert quiet["warnings"] == [] and "warning" not in gpu_check.speed(quiet)
+    assert warned["warnings"] == [warning]
+    assert gpu_check.speed(warned) == gpu_check.speed(quiet) + f"; 1 warning(s), first: {warning[:120]}"
+
+
 def test_a_command_past_the_timeout_is_stopped_with_its_torchrun_workers(tmp_path):
     """torchrun's workers run in sessions of their own: stopping the command must end them too (on a GPU, a hung
     worker would hold the card), and the row fails saying so."""
