@@ -64,6 +64,7 @@ DEFAULTS = dict(
     weight_decay=0.1,
     beta1=0.9,
     beta2=0.95,
+    muon_momentum=0.95,  # optimizer="muon": the momentum of Muon's updates (torch's default)
     grad_clip=1.0,  # 0: no clipping
     # learning rate schedule: linear warmup, then cosine decay or warmup-stable-decay (wsd)
     lr_schedule="cosine",  # "cosine" or "wsd"
@@ -133,7 +134,7 @@ def train(settings, run_dir):
                           device, ptdtype, backend)  # what the step calls
     optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
                                  (settings["beta1"], settings["beta2"]), device_type,
-                                 settings["fsdp"])  # after FSDP's new parameters
+                                 settings["fsdp"], settings["muon_momentum"])  # after FSDP's new parameters
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
@@ -226,6 +227,8 @@ def check_settings(settings):
     for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
         if settings[key] < 0:
             raise UserError(f"{key} must be at least 0, got {settings[key]}")
+    if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
+        raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
     if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
         raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
     return settings
@@ -325,7 +328,7 @@ def prepare_model(model, activation_checkpointing, fsdp, dtype, device, ptdtype,
     return parallel.wrap_ddp(model, device) if dist.is_initialized() else model
 
 
-def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False):
+def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False, muon_momentum=0.95):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
     matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
     not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
@@ -350,7 +353,8 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
     if sharded:
         from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
-    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")]
+    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, momentum=muon_momentum,
+                        adjust_lr_fn="match_rms_adamw")]
 
 
 def last_line(signalled, iter_num, ckpt_path):

@@ -746,6 +746,16 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert {"embed_tokens.weight", "lm_head.weight"} <= adamw_groups[0.1]
     with pytest.raises(UserError, match="optimizer"):
         train.make_optimizers(model, "sgd", 0.1, (0.9, 0.95), "cpu")
+    assert [g["momentum"] for g in muon.param_groups] == [0.95]  # torch's default, unless muon_momentum says
+    _, muon = train.make_optimizers(model, "muon", 0.1, (0.9, 0.95), "cpu", muon_momentum=0.9)
+    assert [g["momentum"] for g in muon.param_groups] == [0.9]
+
+
+def test_muon_momentum_outside_zero_to_one_is_a_one_line_error():
+    for bad in (1.0, -0.1):
+        with pytest.raises(UserError, match=rf"^muon_momentum must be at least 0 and below 1, got {bad}$"):
+            train.check_settings(dict(train.DEFAULTS, muon_momentum=bad))
+    assert train.check_settings(dict(train.DEFAULTS, muon_momentum=0.9))["muon_momentum"] == 0.9
 
 
 def test_muon_leaves_an_embedding_inside_a_block_to_adamw():
