@@ -751,6 +751,14 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert [g["momentum"] for g in muon.param_groups] == [0.9]
 
 
+def test_the_muon_momentum_setting_reaches_the_run_and_its_checkpoint(workdir, tmp_path):
+    out_dir = str(tmp_path / "run")
+    train_main(workdir, out_dir, "--optimizer=muon", "--muon_momentum=0.9", "--max_iters=2", "--eval_interval=2")
+    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
+    muon_groups = checkpoint["optimizers"][1]["param_groups"]
+    assert [g["momentum"] for g in muon_groups] == [0.9] and checkpoint["settings"]["muon_momentum"] == 0.9
+
+
 def test_muon_momentum_outside_zero_to_one_is_a_one_line_error():
     for bad in (1.0, -0.1):
         with pytest.raises(UserError, match=rf"^muon_momentum must be at least 0 and below 1, got {bad}$"):
