@@ -819,10 +819,10 @@ def positive_ints(text, what, many=False):
 
 def row_names(text):
     """The rows --skip names; a name that is no row is one line that lists them."""
-    names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in {row[0] for row in ROWS}]
+    names, rows = [name for name in text.split(",") if name], [row[0] for row in ROWS]
+    unknown = [name for name in names if name not in rows]
     if unknown:
-        sys.exit(f"error: --skip: no row {unknown[0]!r}; the rows are {', '.join(row[0] for row in ROWS)}")
+        sys.exit(f"error: --skip: no row {unknown[0]!r}; the rows are {', '.join(rows)}")
     return names
 
 
