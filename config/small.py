@@ -1,10 +1,10 @@
 # Character-level Tiny Shakespeare on a laptop CPU: the first run of this repo.
 #   python data/shakespeare_char/prepare.py && python train.py config/small.py && python sample.py --prompt "ROMEO:"
-# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-26): 1000 iterations at 70-113 ms, val loss 1.6141
-# (mean of 5 seeds 1.618), 80-121 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
-# on the same machine: 1.886 in 90-102 s (the VM ran ~1.3x slower than the day before). Muon, the untied head
-# and Muon's momentum each won a compare.py comparison across seeds, on characters and on GPT-2 tokens; what else
-# was tried, and lost or could not be told from noise, is in bench/RESULTS.md.
+# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-26): 1000 iterations at 70-113 ms, val loss 1.6024
+# (mean of 5 seeds 1.608), 80-121 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
+# on the same machine: 1.886 in 90-102 s (the VM ran ~1.3x slower than the day before). Muon, the untied head,
+# Muon's momentum and the learning rate each won a compare.py comparison across seeds, on characters and on GPT-2
+# tokens; what else was tried, and lost or could not be told from noise, is in bench/RESULTS.md.
 out_dir = "out-small"
 dataset = "shakespeare_char"
 eval_interval = 400
@@ -32,7 +32,9 @@ optimizer = "muon"
 # Muon's momentum 0.9, not torch's 0.95: val -0.0078 (95% interval -0.0132 to -0.0023) over 11 seeds at 1000
 # iterations, and -0.036 on GPT-2 tokens (config/shakespeare_bpe.py with Muon, 120 iterations, 3 seeds)
 muon_momentum = 0.9
-learning_rate = 2e-3
+# A learning rate of 4e-3, not 2e-3: val -0.0095 (95% interval -0.0138 to -0.0053) over 7 seeds at 1000
+# iterations, and -0.27 on GPT-2 tokens (config/shakespeare_bpe.py with Muon, 120 iterations, 3 seeds)
+learning_rate = 4e-3
 min_lr = 1e-4
 warmup_iters = 50
 max_iters = 1000
