@@ -1,10 +1,10 @@
 # Character-level Tiny Shakespeare on a laptop CPU: the first run of this repo.
 #   python data/shakespeare_char/prepare.py && python train.py config/small.py && python sample.py --prompt "ROMEO:"
-# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-26): 1000 iterations at 70-113 ms, val loss 1.6024
-# (mean of 5 seeds 1.608), 80-121 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
-# on the same machine: 1.886 in 90-102 s (the VM ran ~1.3x slower than the day before). Muon, the untied head,
-# Muon's momentum and the learning rate each won a compare.py comparison across seeds, on characters and on GPT-2
-# tokens; what else was tried, and lost or could not be told from noise, is in bench/RESULTS.md.
+# Measured on a 2-core AMD EPYC VM (CPU only, fp32, 2026-11-26): 1000 iterations at 80-105 ms, val loss 1.6024
+# (mean of 5 seeds 1.608), 90-116 s for the whole command; nanoGPT's README CPU recipe, run alternately with it
+# on the same machine: 1.886 in 105-115 s (a slow hour of the VM). Muon, the untied head, Muon's momentum and the
+# learning rate each won a compare.py comparison across seeds, on characters and on GPT-2 tokens; what else was
+# tried, and lost or could not be told from noise, is in bench/RESULTS.md.
 out_dir = "out-small"
 dataset = "shakespeare_char"
 eval_interval = 400
