@@ -328,7 +328,8 @@ def prepare_model(model, activation_checkpointing, fsdp, dtype, device, ptdtype,
     return parallel.wrap_ddp(model, device) if dist.is_initialized() else model
 
 
-def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False, muon_momentum=0.95):
+def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
+                    muon_momentum=DEFAULTS["muon_momentum"]):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
     matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
     not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
