@@ -20,6 +20,9 @@ baseline group first, edit, then run the command again with a second group:
     python compare.py baseline=config/small.py --seeds=5 --out_dir=cmp-edit
     # ...edit model.py...
     python compare.py baseline=config/small.py edit=config/small.py --seeds=5 --out_dir=cmp-edit
+
+A group's runs are all made with one version of the code: more seeds later mean the baseline's first, without the
+edit, then the command again with it (asked the other way round, the baseline's new seeds are refused).
 """
 
 import argparse
@@ -260,6 +263,13 @@ def train_run(name, seed, args, comparison, out_dir, threads, code, budget, iter
     if record and record["code"] != code:
         raise UserError(f"{name} seed {seed} was started with other code ({', '.join(CODE_FILES)} hash "
                         f"{record['code']}, now {code}); undo the edit to finish it, or use another --out_dir")
+    # A group is one version of the code: more seeds of the baseline, asked for after model.py was edited for the
+    # change, would otherwise be trained with the change in them
+    finished = {r["code"] for r in comparison["runs"][name].values() if "val_loss" in r}
+    if finished and code not in finished:
+        raise UserError(f"{name}'s runs were made with other code ({', '.join(CODE_FILES)} hash "
+                        f"{', '.join(sorted(finished))}, now {code}), so seed {seed} would not be {name}; undo the edit "
+                        f"and run {name} alone with these --seeds, then redo it, or use another --out_dir")
     resume = os.path.exists(os.path.join(run_dir, "ckpt.pt"))
     os.makedirs(run_dir, exist_ok=True)
     argv = [*args, f"--out_dir={run_dir}", f"--seed={seed}", f"--threads={threads}",

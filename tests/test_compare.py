@@ -181,6 +181,27 @@ def test_a_run_started_with_other_code_is_not_continued(in_workdir, monkeypatch)
         compare.main(comparison_args("edited", f"base={TINY}"))
 
 
+def test_more_seeds_of_the_baseline_after_an_edit_are_refused_not_trained_with_it(in_workdir, monkeypatch):
+    """The README's worked example grown to more seeds: with model.py edited for the change, the baseline's new seeds
+    would run the edit; they are refused before anything trains, and made once the edit is undone."""
+    code_version = compare.code_version
+    compare.main(comparison_args("edit", f"base={TINY}", seeds=2))
+    monkeypatch.setattr(compare, "code_version", lambda: "edited")
+    compare.main(comparison_args("edit", f"base={TINY}", f"edit={TINY}", seeds=2))
+    calls = []
+    monkeypatch.setattr(compare, "run_training", lambda argv, log: calls.append(argv) or train_here(argv, log))
+    with pytest.raises(UserError, match=r"^base's runs were made with other code .* seed 1339 would not be base; undo"):
+        compare.main(comparison_args("edit", f"base={TINY}", f"edit={TINY}", seeds=3))
+    assert calls == []
+    monkeypatch.setattr(compare, "code_version", code_version)  # the edit undone: the baseline's seed, then the change's
+    monkeypatch.setattr(compare, "run_training", train_here)
+    compare.main(comparison_args("edit", f"base={TINY}", seeds=3))
+    monkeypatch.setattr(compare, "code_version", lambda: "edited")
+    result = compare.main(comparison_args("edit", f"base={TINY}", f"edit={TINY}", seeds=3))
+    assert result["results"]["groups"]["base"]["code"] != ["edited"] and result["results"]["groups"]["edit"]["code"] == ["edited"]
+    assert result["results"]["groups"]["edit"]["n"] == 3
+
+
 def test_a_budget_of_tokens_gives_each_group_its_iterations(in_workdir):
     result = compare.main(comparison_args("tokens", f"b4={TINY}", f"b8={TINY} --batch_size=8", seeds=1)[:-3] +
                           ["--tokens=2560", "--out_dir=tokens", "--threads=1"])
