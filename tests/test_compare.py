@@ -198,8 +198,9 @@ def test_more_seeds_of_the_baseline_after_an_edit_are_refused_not_trained_with_i
     compare.main(comparison_args("edit", f"base={TINY}", seeds=3))
     monkeypatch.setattr(compare, "code_version", lambda: "edited")
     result = compare.main(comparison_args("edit", f"base={TINY}", f"edit={TINY}", seeds=3))
-    assert result["results"]["groups"]["base"]["code"] != ["edited"] and result["results"]["groups"]["edit"]["code"] == ["edited"]
-    assert result["results"]["groups"]["edit"]["n"] == 3
+    groups = result["results"]["groups"]
+    assert groups["base"]["code"] == [code_version()] and groups["edit"]["code"] == ["edited"]  # one version each
+    assert groups["base"]["n"] == groups["edit"]["n"] == 3
 
 
 def test_a_budget_of_tokens_gives_each_group_its_iterations(in_workdir):
