@@ -254,6 +254,7 @@ def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
     every = gpu_check.device_setup("auto")
     assert (every["processes"], every["torchrun_device"], every["one_card"]) == (2, "auto", {})
     assert every["name"] == "Fake GPU (cuda:0 of 2 visible)" and every["has_bf16"] is False
+    assert gpu_check.device_setup("cuda") == every | {"torchrun_device": "cuda"}  # plain cuda: every card, as auto
     # one card: torchrun and the tests are shown it alone (train.py under torchrun takes cuda:LOCAL_RANK)
     one = gpu_check.device_setup("cuda:1")
     assert (one["processes"], one["torchrun_device"], one["one_card"]) == (1, "cuda", {"CUDA_VISIBLE_DEVICES": "5"})
@@ -394,7 +395,7 @@ NO_CUDA_RUNTIME = "AssertionError: libcudart functions unavailable"
 NO_NCCL = "RuntimeError: Distributed package doesn't have NCCL built in"
 
 
-@pytest.mark.parametrize("spelling, capability", [("cuda:1", (7, 5)), ("cuda", (8, 0)), ("auto", (8, 0))])
+@pytest.mark.parametrize("spelling, capability", [("cuda:1", (7, 5)), ("auto", (8, 0))])  # plain cuda: as auto
 def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_cuda, tmp_path, spelling, capability):
     """The whole check with each --device spelling on faked CUDA (inherited by every command through PYTHONPATH):
     each training command gets that device (torchrun's, for one named card, plain cuda: it is shown that card
