@@ -112,7 +112,7 @@ def train(settings, run_dir):
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
     autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
-    shared_cpu = share_cpu(settings["threads"], device_type, master)
+    shared_cpu = share_cpu(settings["threads"], device, master)
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
         from gpt.parallel import micro_steps_per_process, split_over_processes
@@ -245,18 +245,15 @@ def setup_processes(device):
     return start_processes(device)
 
 
-def share_cpu(threads, device_type, master):
+def share_cpu(threads, device, master):
     """On a CPU, only the cores other processes leave free, checked again at every log (gpt/machine.py); None on
     a GPU unless threads is set."""
-    if device_type != "cpu" and not threads:
-        return None
-    from gpt.machine import SharedCpu
-
-    shared_cpu = SharedCpu(threads)
-    note = shared_cpu.check()
+    from gpt.machine import shared_cpu
+    cpu = shared_cpu(device, threads)
+    note = cpu and cpu.check()
     if note and master:
         print(note)
-    return shared_cpu
+    return cpu
 
 
 def build_model(settings, meta, checkpoint, ckpt_path):
@@ -309,23 +306,12 @@ def compile_backend(compile, device_type):
 
 
 def prepare_model(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend):
-    """The model as the training step calls it, in the order that works: activation checkpointing for each block;
-    under FSDP (refused on one process and in float16, where dtype says what to pass) each block is then compiled and
-    the model sharded in place (the same module comes back); otherwise the whole model is compiled and, under torchrun
-    (one process too), wrapped in DDP (gpt/parallel.py)."""
+    """The model as the training step calls it: compiled where backend names a compiler; with activation
+    checkpointing, FSDP or under torchrun, as gpt/parallel.py prepares it (the order matters there)."""
     if activation_checkpointing or fsdp or dist.is_initialized():
-        from gpt import parallel
-    if fsdp:
-        parallel.check_fsdp(dtype, "RANK" in os.environ, ptdtype)
-    if activation_checkpointing:
-        parallel.checkpoint_blocks(model)
-    if fsdp:
-        if backend:
-            parallel.compile_blocks(model, backend)
-        return parallel.shard(model, ptdtype)
-    if backend:
-        model = torch.compile(model, backend=backend)
-    return parallel.wrap_ddp(model, device) if dist.is_initialized() else model
+        from gpt.parallel import prepare
+        return prepare(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend)
+    return torch.compile(model, backend=backend) if backend else model
 
 
 def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,

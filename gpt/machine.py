@@ -1,17 +1,13 @@
 """
-How many CPU threads a run should use on a machine shared with other work.
+How many CPU threads a command should use on a machine shared with other work.
 
 torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores spin against
-each other, far slower than each taking only the cores the other leaves free (bench/RESULTS.md). So a training run
-looks at how busy the machine is before it starts and at every log, takes the cores left free, and says so once.
+each other, far slower than each taking only the cores the other leaves free (bench/RESULTS.md). So every command that
+computes on the CPU (train.py, sample.py, eval.py, attention.py) looks at how busy the machine is, takes the cores
+left free, and says so once; train.py looks again at every log:
 
-    cpu = SharedCpu(requested=0)   # 0: decide from the cores actually free; N: exactly N threads
-    note = cpu.check()             # at every log: the line to print the first time the machine is busy
-
-Commands that compute on the CPU (sample.py, eval.py, attention.py) share it the same way:
-
-    cpu = shared_cpu(device)       # before loading the model, which overlaps the look at the machine
-    note = cpu and cpu.check()     # after: torch's threads set; the line to print (stderr), or None
+    cpu = shared_cpu(device, threads)   # before loading the model, which overlaps the look at the machine
+    note = cpu and cpu.check()          # after: torch's threads set; the line to print, or None
 """
 
 import os
@@ -19,8 +15,7 @@ import time
 
 import torch
 
-LOOK_SECONDS = 0.25  # the shortest look at the machine before a run starts (the counters tick 100 times a second)
-COMMAND_LOOK_SECONDS = 0.1  # a command's, overlapped with loading its model; as good as 0.25 s (bench/bench_busy.py)
+LOOK_SECONDS = 0.1  # the shortest first look (the counters tick 100 times a second); as good as 0.25 s (bench/bench_busy.py)
 CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
@@ -98,5 +93,4 @@ def shared_cpu(device, threads=None):
     it has no such setting (the note then says OMP_NUM_THREADS chooses)."""
     if torch.device(device).type != "cpu" and not threads:
         return None
-    return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N",
-                     look=COMMAND_LOOK_SECONDS)
+    return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N")

@@ -36,6 +36,24 @@ from gpt.muon import Muon
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
 
+def prepare(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend):
+    """The model as train.py's step calls it, in the order that works: activation checkpointing for each block; under
+    FSDP (refused on one process and in float16, where dtype says what to pass) each block is then compiled and the
+    model sharded in place (the same module comes back); otherwise the whole model is compiled and, under torchrun
+    (one process too), wrapped in DDP."""
+    if fsdp:
+        check_fsdp(dtype, "RANK" in os.environ, ptdtype)
+    if activation_checkpointing:
+        checkpoint_blocks(model)
+    if fsdp:
+        if backend:
+            compile_blocks(model, backend)
+        return shard(model, ptdtype)
+    if backend:
+        model = torch.compile(model, backend=backend)
+    return wrap_ddp(model, device) if dist.is_initialized() else model
+
+
 def checkpoint_blocks(model):
     """Activation checkpointing: each block of model.layers is replaced by torch's CheckpointWrapper around it
     (print(model) shows it), whose forward runs the block under torch.utils.checkpoint (non-reentrant). The
