@@ -48,19 +48,23 @@ def seconds_per_step(shapes, dtype, group, device, clock):
 
 
 def choose_dtype(group, clock=time.perf_counter):
-    """"bfloat16", or "float32" where bfloat16 takes SLOWER times as long on this group's matrices. Under torchrun,
-    rank 0 times them alone (the others would share its cores meanwhile) and every process takes its choice, so that
-    their copies of the model step alike."""
+    """"bfloat16", or "float32" where bfloat16 takes SLOWER times as long on this group's matrices (timed on one
+    thread). Under torchrun, rank 0 times them alone (the others would share its cores meanwhile) and every process
+    takes its choice, so that their copies of the model step alike."""
     choice = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         shapes = [tuple(param.shape) for param in group["params"]]  # whole matrices, also where FSDP shards them
-        device = group["params"][0].device
-        bf16, fp32 = (seconds_per_step(shapes, dtype, group, device, clock)
-                      for dtype in (torch.bfloat16, torch.float32))
+        device, threads = group["params"][0].device, torch.get_num_threads()
+        torch.set_num_threads(1)  # beside another process, spinning threads slowed bfloat16 by up to 100x, erratically:
+        try:                      # one thread is slowed alike in both dtypes, so load does not flip the choice
+            bf16, fp32 = (seconds_per_step(shapes, dtype, group, device, clock)
+                          for dtype in (torch.bfloat16, torch.float32))
+        finally:
+            torch.set_num_threads(threads)
         choice = ["float32" if bf16 > SLOWER * fp32 else "bfloat16"]
         if choice == ["float32"]:
-            print(f"muon: orthogonalizing in float32, which took {fp32 * 1e3:.0f} ms a step here against bfloat16's "
-                  f"{bf16 * 1e3:.0f} ms")
+            print(f"muon: orthogonalizing in float32, which took {fp32 * 1e3:.0f} ms a step on one thread here "
+                  f"against bfloat16's {bf16 * 1e3:.0f} ms")
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     return choice[0]

@@ -71,6 +71,20 @@ def test_float32_is_chosen_only_where_bfloat16_is_much_slower(monkeypatch, capsy
     assert ("orthogonalizing in float32" in capsys.readouterr().out) == (chosen == "float32")
 
 
+def test_the_choice_is_timed_on_one_thread_and_the_run_gets_its_threads_back(monkeypatch):
+    """Beside another process, bfloat16 timed on spinning threads took 30 ms to 3.9 s a step, so the same command
+    chose either dtype (bench/RESULTS.md); on one thread both dtypes are slowed alike."""
+    threads_seen = []
+    monkeypatch.setattr(muon, "seconds_per_step", lambda *args: threads_seen.append(torch.get_num_threads()) or 1.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert muon.choose_dtype(dict(params=list(three_matrices().parameters()))) == "bfloat16"
+        assert threads_seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_step_is_timed_on_each_shape_as_often_as_it_occurs():
     """A clock that advances 1 a reading: each distinct shape is timed once a try, counted as often as it occurs."""
     readings = iter(range(1000))
