@@ -15,7 +15,7 @@ import time
 
 import torch
 
-LOOK_SECONDS = 0.1  # the shortest first look (the counters tick 100 times a second); as good as 0.25 s (bench/bench_busy.py)
+LOOK_SECONDS = 0.1  # the shortest first look (the counters tick 100 times a second); as good as 0.25 s (bench_busy.py)
 CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 

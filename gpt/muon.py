@@ -55,7 +55,7 @@ def choose_dtype(group, clock=time.perf_counter):
     if not dist.is_initialized() or dist.get_rank() == 0:
         shapes = [tuple(param.shape) for param in group["params"]]  # whole matrices, also where FSDP shards them
         device, threads = group["params"][0].device, torch.get_num_threads()
-        torch.set_num_threads(1)  # beside another process, spinning threads slowed bfloat16 by up to 100x, erratically:
+        torch.set_num_threads(1)  # beside another process, spinning threads timed bfloat16 at 31 ms to 3.9 s a step:
         try:                      # one thread is slowed alike in both dtypes, so load does not flip the choice
             bf16, fp32 = (seconds_per_step(shapes, dtype, group, device, clock)
                           for dtype in (torch.bfloat16, torch.float32))
