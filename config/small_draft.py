@@ -1,8 +1,8 @@
 # A draft model for config/small.py's, to sample with speculative decoding. The same data and tokenizer
-# (character-level Tiny Shakespeare, so the vocabularies match), one block instead of four, trained the same way.
+# (character-level Tiny Shakespeare, so the vocabularies match), one block instead of three, trained the same way.
 #   python train.py config/small.py && python train.py config/small_draft.py
 #   python sample.py --prompt "ROMEO:" --draft=out-draft
-# At 0.9M parameters a decode step on a CPU is mostly fixed overhead, so a draft saves little here: this config is
+# Below 1M parameters a decode step on a CPU is mostly fixed overhead, so a draft saves little here: this config is
 # for trying speculative decoding end to end (its acceptance rate and speed: bench/RESULTS.md, "Draft model").
 out_dir = "out-draft"
 dataset = "shakespeare_char"
@@ -13,7 +13,7 @@ log_interval = 10
 batch_size = 6
 block_size = 128  # the model's: a draft with less would cap the context of speculative decoding (sample.py)
 
-n_layer = 1  # of 4: a step costs about a quarter of the model's
+n_layer = 1  # of 3: a step costs about a third of the model's
 n_head = 4
 n_kv_head = 4
 n_embd = 128

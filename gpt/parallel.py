@@ -277,8 +277,8 @@ def check_fsdp(dtype, distributed, ptdtype):
 
 def split_over_processes(settings, world_size):
     """(settings, a note or None): where each process's share of the global batch is less than batch_size, each runs
-    its share in one micro-step, the global batch kept as total_batch_size (config/small.py's 6 sequences a step run
-    as 3 on each of 2 processes): a config runs as it is on any process count that divides its global batch."""
+    its share in one micro-step, the global batch kept as total_batch_size (config/small.py's 10 sequences a step run
+    as 5 on each of 2 processes): a config runs as it is on any process count that divides its global batch."""
     batch, block, total = settings["batch_size"], settings["block_size"], settings["total_batch_size"]
     if total % block or (total and settings["gradient_accumulation_steps"] != 1):
         return settings, None  # micro_steps_per_process says what is wrong

@@ -873,18 +873,19 @@ def small_settings():
 
 
 def test_config_small_runs_as_it_is_on_every_process_count_that_divides_its_batch():
-    """config/small.py (6 sequences a step, one micro-step) under torchrun: each of 1, 2, 3 or 6 processes takes its
-    share of the 6 in one micro-step, the global batch the same; 4 processes are refused, naming what works."""
+    """config/small.py (10 sequences a step, one micro-step) under torchrun: each of 1, 2, 5 or 10 processes takes its
+    share of the 10 in one micro-step, the global batch the same; 3 and 4 processes are refused, naming what works."""
     settings = small_settings()
-    for world_size, share in ((1, 6), (2, 3), (3, 2), (6, 1)):
+    for world_size, share in ((1, 10), (2, 5), (5, 2), (10, 1)):
         split, note = parallel.split_over_processes(settings, world_size)
         assert split["batch_size"] == share and (note is None) == (world_size == 1)
         assert parallel.micro_steps_per_process(split, world_size) == 1
-        assert global_batch(split, world_size) == 6 * 128
-    split, note = parallel.split_over_processes(settings, 4)
-    assert split == settings and note is None
-    with pytest.raises(UserError, match=r"pass --gradient_accumulation_steps=4"):
-        parallel.micro_steps_per_process(split, 4)
+        assert global_batch(split, world_size) == 10 * 128
+    for world_size in (3, 4):
+        split, note = parallel.split_over_processes(settings, world_size)
+        assert split == settings and note is None
+        with pytest.raises(UserError, match=rf"pass --gradient_accumulation_steps={world_size}"):
+            parallel.micro_steps_per_process(split, world_size)
 
 
 def test_total_batch_size_and_accumulation_steps_together_are_refused():
