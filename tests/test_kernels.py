@@ -73,6 +73,8 @@ def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name, dtype):
     weight, x = torch.randint(-127, 128, (40, 32), dtype=torch.int8), torch.randn(2, 1, 32, dtype=dtype)
     if name == "onednn" and not torch.backends.mkldnn.is_available():
         return
+    if name == "onednn" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return  # no bfloat16 inner product in oneDNN on this CPU (AVX2 only): usable_kernels drops it on its error
     expected = x.double() @ weight.double().T
     error = (kernels.KERNELS[name](x, weight, None).double() - expected).abs().max() / expected.abs().max()
     assert error < (1e-6 if dtype == torch.float32 else 2e-2)  # as usable_kernels accepts: relative to the largest
@@ -127,9 +129,11 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
                             env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr
     usable, saturated = result.stdout.strip().splitlines()
-    assert int(saturated) != 127 * 127 * 768  # the bug is there to be caught ...
     usable = eval(usable)
-    assert "torch" in usable and not set(INT8_ROWS) & set(usable)  # ... and only float32 products are left
+    if int(saturated) == 127 * 127 * 768:  # some AVX2 CPUs (an AMD EPYC Zen 3) sum exactly: int_mm is kept there
+        assert "torch" in usable and "int-mm" in usable
+        return
+    assert "torch" in usable and not set(INT8_ROWS) & set(usable)  # saturating: only float32 products are left
 
 
 def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(monkeypatch):
