@@ -118,8 +118,9 @@ def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA names x86 instruction sets")
 def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
     """oneDNN's int8 products without VNNI (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only CPU runs) sum pairs of
-    products in int16, which saturates: measured on an AMD EPYC, 127 x 127 x 768 came out as 97920. The check in
-    usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows."""
+    products in int16, which saturates: capped at AVX2 on an AVX-512 AMD EPYC, 127 x 127 x 768 came out as 97920. The
+    check in usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows; where
+    the sum comes out exact (an AVX2-only Zen 3 EPYC), it must keep int_mm."""
     script = ("import torch, torch.nn as nn; from gpt import kernels; from gpt.quantize import W8A8Linear; torch.manual_seed(0); "
               "layer = W8A8Linear(nn.Linear(768, 64)); print(kernels.usable_kernels(layer, 8, compiled=False)); "
               "x, weight = torch.full((1, 768), 127, dtype=torch.int8), torch.full((64, 768), 127, dtype=torch.int8); "
