@@ -336,7 +336,7 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
     adamw = torch.optim.AdamW(groups, betas=betas, fused=device_type == "cuda")
     if optimizer == "adamw":
         return [adamw]
-    from gpt.muon import Muon as muon  # torch's Muon, orthogonalizing in float32 where bfloat16 is much slower
+    from gpt.muon import Muon as muon  # torch's Muon, orthogonalizing in float32 on a CPU
     if sharded:
         from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both

@@ -141,7 +141,7 @@ dist.init_process_group("gloo")
 calls = []
 for module, name in ((torch_muon, "_zeropower_via_newtonschulz"), (muon, "orthogonalize")):  # torch's and ours
     setattr(module, name, lambda *args, f=getattr(module, name): calls.append(args[0].shape) or f(*args))
-muon.choose_dtype = lambda group: "bfloat16"  # as torch's Muon, whatever this machine's timing says
+muon.orthogonalize_dtype = lambda device: "bfloat16"  # as torch's Muon, not a CPU's float32
 torch.manual_seed(0)
 shapes = [(8, 6), (6, 5), (5, 4)]  # rows 8, 6 and 5: 5 splits unevenly (3 and 2)
 sharded = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out, bias=False) for n_out, n_in in shapes[::-1]])
