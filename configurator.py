@@ -3,23 +3,13 @@ Settings from the command line, the nanoGPT way: `python train.py config/small.p
 
     settings = configure(dict(batch_size=12, learning_rate=6e-4, compile=True, top_k=None), sys.argv[1:])
 
-The script owns the defaults; configure() returns a new dict with argv applied in order, so later arguments win.
-Anything wrong, an unknown key too (the closest known one suggested), is a UserError with a one-line message.
-`--help` (or `-h`) prints the settings with their defaults and comments instead (gpt/usage.py).
-
-- A positional argument is a config file, run as Python in a fresh namespace; its public names (no leading underscore,
-  not modules, functions or classes) are settings. A missing one gets the closest config/*.py (from the cwd) suggested.
-- `--key=value` splits at the first `=`; `--key value` works unless the next token starts with `--`; `--max-iters`
-  means `max_iters`. A bare `--flag` sets a boolean to True, taking the next token as its value only if it is a boolean
-  word, so `--compile config/small.py` keeps the file positional. Other settings need a value.
-- A value is ast.literal_eval'ed, else the raw text (unquoted strings), then checked against the default's type: bool
-  takes True/False/1/0 (any case), int integral floats too (1e3 -> 1000), float ints too, str the raw text unless it
-  is a quoted string (`--dataset=123` is '123'), tuple/list either (elements unchecked), a None default anything.
-  Config file values are checked the same way, but a str setting needs a str there.
+The script owns the defaults; argv applies in order, so later arguments win. A positional argument is a config file
+run as Python, whose public names are settings; `--key=value`, `--key value` and a bare boolean `--flag` set one. A
+value is a Python literal, else the raw text (`--dataset=shakespeare` needs no quotes), checked against the default's
+type (`--max_iters=1e5` is the int 100000). Anything wrong is a one-line UserError; `--help` lists the settings.
 """
 
 import ast
-import difflib
 import glob
 import sys
 import traceback
@@ -28,9 +18,6 @@ import types
 from gpt import UserError
 
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False}
-# nanoGPT's names for what is called otherwise here: a nanoGPT user's habit gets the right hint, not the nearest spelling
-_NANOGPT_NAMES = {"start": "prompt", "decay_lr": "lr_schedule", "config/train_shakespeare_char.py": "config/small.py",
-                  "config/train_gpt2.py": "config/gpt2_124m.py", "config/finetune_shakespeare.py": "config/small.py"}
 
 
 def configure(defaults: dict, argv: list[str]) -> dict:
@@ -99,24 +86,16 @@ def _coerce(default, value, raw, label):
             return type(default)(value)
     elif default is None or isinstance(value, type(default)):
         return value
+    expected = {bool: "True or False", int: "an int", float: "a float", str: "a string"}.get(type(default))
     shown = raw if raw is not None else value
-    raise UserError(f"{label}: expected {_describe(default)}, got {shown!r}")
-
-
-def _describe(default):
-    names = {bool: "True or False", int: "an int", float: "a float", str: "a string"}
-    return names.get(type(default), f"a {type(default).__name__}")
+    raise UserError(f"{label}: expected {expected or 'a ' + type(default).__name__}, got {shown!r}")
 
 
 def _check_known(defaults, key, where):
     if key not in defaults:
-        raise UserError(f"{where}unknown setting {key!r}{_did_you_mean(key, defaults)}")
+        from gpt.hints import did_you_mean
 
-
-def _did_you_mean(word, options):
-    ours = _NANOGPT_NAMES.get(word.removeprefix("./"))
-    close = [ours] if ours in options else difflib.get_close_matches(word, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+        raise UserError(f"{where}unknown setting {key!r}{did_you_mean(key, defaults)}")
 
 
 def _run_config_file(path):
@@ -125,7 +104,9 @@ def _run_config_file(path):
         with open(path, "rb") as f:  # bytes, so compile() honours the file's encoding declaration
             source = f.read()
     except OSError as e:
-        hint = _did_you_mean(path, glob.glob("config/*.py"))
+        from gpt.hints import did_you_mean
+
+        hint = did_you_mean(path, glob.glob("config/*.py"))
         raise UserError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
     namespace = {}
     try:

@@ -1,6 +1,6 @@
 """
-The commands that make a missing file, for the error messages that name them: a dataset's prepare script, the train.py
-run that writes a checkpoint. Imported only when such an error is raised.
+What error messages suggest: the setting or file meant by a misspelt one, the command that makes a missing file (a
+dataset's prepare script, the train.py run that writes a checkpoint). Imported only when such an error is raised.
 """
 
 import difflib
@@ -11,6 +11,16 @@ import shlex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DATA_ROOT = os.path.join(ROOT, "data")
+# nanoGPT's names for what is called otherwise here: a nanoGPT user's habit gets the right hint, not the nearest spelling
+NANOGPT_NAMES = {"start": "prompt", "decay_lr": "lr_schedule", "config/train_shakespeare_char.py": "config/small.py",
+                 "config/train_gpt2.py": "config/gpt2_124m.py", "config/finetune_shakespeare.py": "config/small.py"}
+
+
+def did_you_mean(word, options):
+    """ " (did you mean 'x'?)" for the option a misspelt or nanoGPT-named word most likely meant, else "". """
+    ours = NANOGPT_NAMES.get(word.removeprefix("./"))
+    close = [ours] if ours in options else difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def prepare_script(name):
