@@ -127,7 +127,7 @@ def train(settings, run_dir):
         checkpoint = resume.resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
-    check_vocab(data_dir, config.vocab_size)
+    check_vocab(data_dir, meta, config.vocab_size)
     tasks = task_runner(settings, meta)
     backend = compile_backend(settings["compile"], device_type)
     model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], settings["dtype"],

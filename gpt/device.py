@@ -29,17 +29,13 @@ def resolve_dtype(dtype, device):
     on older ones (they only emulate bfloat16, slowly, and SDPA's flash kernel refuses it), float32 on CPU and MPS.
     bfloat16 asked of an older card is an error, not a slow run."""
     cuda = device.startswith("cuda")
+    capability = tuple(torch.cuda.get_device_capability(device)) if cuda and dtype in ("auto", "bfloat16") else None
     if dtype == "auto":
-        dtype = "float32" if not cuda else "bfloat16" if cuda_capability(device) >= (8, 0) else "float16"
+        dtype = "float32" if not cuda else "bfloat16" if capability >= (8, 0) else "float16"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    if dtype == "bfloat16" and cuda and cuda_capability(device) < (8, 0):
-        major, minor = cuda_capability(device)
+    if dtype == "bfloat16" and cuda and capability < (8, 0):
+        major, minor = capability
         raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
                         "only emulates bfloat16; use --dtype=float16 (or auto)")
     return getattr(torch, dtype)
-
-
-def cuda_capability(device):
-    """(major, minor) compute capability of a CUDA device, e.g. (7, 5) for a T4, (9, 0) for an H100."""
-    return tuple(torch.cuda.get_device_capability(device))

@@ -1,10 +1,9 @@
-"""
-How many CPU threads a command should use on a machine shared with other work.
+"""How many CPU threads a command should use on a machine shared with other work.
 
 torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores spin against
 each other, far slower than each taking only the cores the other leaves free (bench/RESULTS.md). So every command that
-computes on the CPU (train.py, sample.py, eval.py, attention.py) looks at how busy the machine is, takes the cores
-left free, and says so once; train.py looks again at every log:
+computes on the CPU (train.py, sample.py, eval.py, attention.py) takes the cores left free, says so once, and
+(train.py) looks again at every log:
 
     cpu = shared_cpu(device, threads)   # before loading the model, which overlaps the look at the machine
     note = cpu and cpu.check()          # after: torch's threads set; the line to print, or None
@@ -21,8 +20,8 @@ BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer
 
 
 def cpu_counters():
-    """(all CPU time, idle CPU time) of the machine summed over its cores, from the kernel's counters (/proc/stat),
-    and this process's own CPU time, all in seconds; None where there are no such counters (macOS, Windows)."""
+    """(all, idle) CPU seconds of the machine, summed over its cores (/proc/stat), and this process's own CPU seconds;
+    None where there are no such counters (macOS, Windows)."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(field) for field in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
@@ -43,26 +42,22 @@ def busy_cores(before, after, cores):
 
 def threads_for(busy, most, cores):
     """The threads to take while others keep `busy` cores busy: those left free, at least 1, at most `most`."""
-    if busy is None or busy < BUSY_CORES:
-        return most
-    return max(1, min(most, round(cores - busy)))
+    return most if busy is None or busy < BUSY_CORES else max(1, min(most, round(cores - busy)))
 
 
 class SharedCpu:
-    """The run's CPU threads, chosen at each check() from how busy other processes keep the machine; requested > 0, or
-    OMP_NUM_THREADS set: that many, never changed. The first look runs from here to the first check(), `look` seconds
-    at least, so work done meanwhile (loading the model) overlaps it. choose: how the note says to pick a count."""
+    """The run's CPU threads, chosen at each check(); requested > 0, or OMP_NUM_THREADS set: that many, never changed.
+    The first look runs from here to the first check(), so work done meanwhile (loading the model) overlaps it."""
 
     def __init__(self, requested=0, cores=None, counters=None, choose="pass --threads=N", look=LOOK_SECONDS):
         self.cores, self.counters, self.said = cores or os.cpu_count(), counters or cpu_counters, False
-        self.choose = choose
+        self.choose = choose  # how the note says to pick a count
         self.fixed = requested > 0 or "OMP_NUM_THREADS" in os.environ
         if requested > 0:
             torch.set_num_threads(requested)
         self.most = torch.get_num_threads()
         self.last = None if self.fixed or self.most <= 1 else self.counters()  # one thread: nothing to take away
-        self.span = look
-        self.look_ends = time.monotonic() + look  # the first check reads no sooner
+        self.span, self.look_ends = look, time.monotonic() + look  # the first check reads no sooner
 
     def check(self):
         """Take the cores left free; the line to print the first time the machine is busy, else None."""
@@ -88,9 +83,8 @@ class SharedCpu:
 
 
 def shared_cpu(device, threads=None):
-    """A command's SharedCpu where it computes on the CPU (on another device only if threads asks for a count), else
-    None; used as the module docstring shows. threads: the command's --threads (0: the cores left free), or None where
-    it has no such setting (the note then says OMP_NUM_THREADS chooses)."""
+    """A command's SharedCpu where it computes on the CPU or threads asks for a count, else None. threads: its
+    --threads (0: the cores left free), or None where it has none (the note then says OMP_NUM_THREADS chooses)."""
     if torch.device(device).type != "cpu" and not threads:
         return None
     return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N")

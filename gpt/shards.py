@@ -1,5 +1,4 @@
-"""Token shards: the llm.c file format, dataset metadata, and the loader that train.py samples batches from (the
-prepare scripts write them through gpt/prepare.py).
+"""Token shards: the llm.c file format, dataset metadata, and the loader train.py samples batches from.
 
 A shard is a 1024-byte header of 256 little-endian int32 (magic, version, token count, then zeros), then the tokens:
 uint16 for version 1 (llm.c's, so its GPT-2 shards load unchanged), uint32 for version 2 (vocabularies above 65,535).
@@ -53,31 +52,29 @@ def load_meta(data_dir):
     require_dir(data_dir)
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        from gpt.bpe import GPT2_META  # what llm.c writes
+        from gpt.bpe import GPT2_META
 
         return dict(GPT2_META)
+    problem = None
     try:
         with open(path) as f:
             meta = json.load(f)
-        vocab_size = meta["vocab_size"]
+        if not isinstance(meta["vocab_size"], int) or meta["vocab_size"] < 1:
+            problem = f"vocab_size {meta['vocab_size']!r} is not a positive integer"
     except (ValueError, KeyError, TypeError):
+        problem = "not valid metadata (needs a JSON object with vocab_size)"
+    if problem:
         from gpt.hints import rerun
 
-        raise UserError(f"{path}: not valid metadata (needs a JSON object with vocab_size); {rerun(data_dir)}") from None
-    if not isinstance(vocab_size, int) or vocab_size < 1:
-        from gpt.hints import rerun
-
-        raise UserError(f"{path}: vocab_size {vocab_size!r} is not a positive integer; {rerun(data_dir)}")
+        raise UserError(f"{path}: {problem}; {rerun(data_dir)}")
     return meta
 
 
-def check_vocab(data_dir, model_vocab_size):
+def check_vocab(data_dir, meta, model_vocab_size):
     """Fail early if the data can hold token ids the model has no embedding for."""
-    meta = load_meta(data_dir)
     if meta["vocab_size"] > model_vocab_size:
         raise UserError(f"{os.path.join(data_dir, 'meta.json')}: vocab_size {meta['vocab_size']} exceeds the model's "
                         f"vocab_size {model_vocab_size}; set the model's vocab_size to at least {meta['vocab_size']}")
-    return meta
 
 
 def find_shards(data_dir, split):
@@ -96,10 +93,8 @@ def find_shards(data_dir, split):
 
 class ShardLoader:
     """Batches of block_size + 1 token windows from the shards of one split, reproducible from (seed, position), in the
-    order data/README.md describes. Rank r of W takes windows r, r + W, ... of it: ranks never share one, and each takes
-    the same number per shard (the < W left over are skipped), so all move in lockstep and one position (epoch, shard,
-    window) is the state of all. All ranks must use the same seed. Memory: the memory maps and one shard's window
-    permutation, whatever the corpus size."""
+    order data/README.md describes. Rank r of W takes windows r, r + W, ... of each shard (the < W left over are
+    skipped), so all ranks (same seed) move in lockstep and one position (epoch, shard, window) is the state of all."""
 
     def __init__(self, data_dir, split, batch_size, block_size, seed=0, rank=0, world_size=1, device="cpu"):
         self.paths = find_shards(data_dir, split)
@@ -107,7 +102,9 @@ class ShardLoader:
         self.batch_size, self.window_len = batch_size, block_size + 1
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.device = torch.device(device)
-        self.windows = [self._windows_in(len(s)) for s in self.shards]  # per shard and epoch
+        # windows per shard and epoch: all that fit, less one when there are several (room to shift the grid)
+        fits = [len(s) // self.window_len for s in self.shards]
+        self.windows = [n - 1 if n >= 2 else n for n in fits]
         self.windows_per_rank = [n // world_size for n in self.windows]
         if sum(self.windows_per_rank) == 0:
             n_tokens = sum(len(s) for s in self.shards)
@@ -130,11 +127,6 @@ class ShardLoader:
             raise UserError(f"loader position {state} does not fit the {len(self.shards)} shards of {self.paths[0]} and "
                             "its siblings; the data changed since the checkpoint, resume with the data it was made from")
         self.epoch, self.shard, self.window = epoch, shard, window
-
-    def _windows_in(self, n_tokens):
-        """Windows per epoch in a shard: all that fit, less one when there are several (room to shift the grid)."""
-        n_windows = n_tokens // self.window_len
-        return n_windows - 1 if n_windows >= 2 else n_windows
 
     def _orders(self):
         """This epoch's current shard, its grid offset and window order (cached: computed once per shard)."""
@@ -162,11 +154,9 @@ class ShardLoader:
     def next_batch(self):
         """x, y: int64 tensors of shape (batch_size, block_size) on the device; y is x shifted by one token."""
         windows = np.stack([self._next_window() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T+1)
-        x = torch.from_numpy(windows[:, :-1].copy())
-        y = torch.from_numpy(windows[:, 1:].copy())
+        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            x = x.pin_memory().to(self.device, non_blocking=True)
-            y = y.pin_memory().to(self.device, non_blocking=True)
+            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
         elif self.device.type != "cpu":  # MPS and any other accelerator: a plain copy
             x, y = x.to(self.device), y.to(self.device)
         return x, y

@@ -343,10 +343,12 @@ def test_loader_errors(dataset, tmp_path):
         ShardLoader(dataset, "train", batch_size=2, block_size=1300)
     assert_one_line(error, dataset, "block_size")
     ShardLoader(dataset, "train", batch_size=2, block_size=1299)  # one window fits the longer shard
+    meta = load_meta(dataset)
     with pytest.raises(UserError) as error:
-        check_vocab(dataset, 2299)
+        check_vocab(dataset, meta, 2299)
     assert_one_line(error, dataset / "meta.json", 2300, 2299)
-    assert check_vocab(dataset, 2300)["vocab_size"] == 2300
+    assert meta["vocab_size"] == 2300
+    check_vocab(dataset, meta, 2300)  # fits: no error
     (dataset / "meta.json").write_text("{not json")
     with pytest.raises(UserError) as error:
         load_meta(dataset)
