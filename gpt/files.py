@@ -1,8 +1,5 @@
-"""
-Files a run cannot afford to lose, written and read so that a crash, a full disk or a second process never leaves one
-half-written or mixed: checkpoints, token shards, metadata and plots go through atomic_open, and train.py locks its
-out_dir with lock_folder (metrics.jsonl is read back by gpt/metrics.py).
-"""
+"""Files a run cannot afford to lose, never left half-written by a crash or a full disk (atomic_open: checkpoints,
+shards, metadata, plots) nor mixed up by a second process (lock_folder: train.py's and compare.py's out_dir)."""
 
 import contextlib
 import json
@@ -34,7 +31,7 @@ def atomic_open(path, mode="wb"):
 
 
 def write_json(path, obj, **dump_args):
-    """obj as a JSON file at path, written atomically (dump_args: json.dumps's); a failed write is a UserError."""
+    """obj as JSON, written through atomic_open (dump_args: json.dumps's); a failed write is a UserError."""
     try:
         with atomic_open(path) as f:
             f.write(json.dumps(obj, **dump_args).encode())

@@ -8,8 +8,7 @@ import torch
 
 
 class Log:
-    """What rank 0 prints and records: each evaluation, and every log_interval steps the loss, learning rate and speed
-    (on a terminal, in a progress bar instead of a line each)."""
+    """What rank 0 prints and logs: evaluations, and every log_interval steps loss, lr and speed (a bar on a tty)."""
 
     def __init__(self, max_iters, master, iter_num, mfu):
         self.master, self.mfu, self.logged_iter, self.bar = master, mfu, iter_num, None
@@ -42,11 +41,19 @@ class Log:
         if busy_note:
             self.say(busy_note)
         run_dir.log(record)
-        figures = log_line(record)
+        line = f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}"
+        if "first_step_s" in record:
+            line += f", first step {record['first_step_s']:.1f} s"
+        if "ms_per_iter" in record:
+            line += f", {record['ms_per_iter']:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s"
+        if "mfu" in record:
+            line += f", MFU {100 * record['mfu']:.1f}%"
+        if "peak_memory_gb" in record:
+            line += f", peak memory {record['peak_memory_gb']:.1f} GB"
         if self.bar:
-            self.bar.set_postfix_str(figures)
+            self.bar.set_postfix_str(line)
         else:
-            self.say(f"iter {record['iter']}: {figures}")
+            self.say(f"iter {record['iter']}: {line}")
 
     def stepped(self):
         if self.bar:
@@ -55,20 +62,6 @@ class Log:
     def close(self):
         if self.bar:
             self.bar.close()
-
-
-def log_line(record):
-    """A log record's figures as the line printed for it."""
-    line = f"loss {record['loss']:.4f}, lr {record['lr']:.2e}, grad norm {record['grad_norm']:.3f}"
-    if "first_step_s" in record:
-        line += f", first step {record['first_step_s']:.1f} s"
-    if "ms_per_iter" in record:
-        line += f", {record['ms_per_iter']:.1f} ms/iter, {record['tokens_per_sec']:,.0f} tokens/s"
-    if "mfu" in record:
-        line += f", MFU {100 * record['mfu']:.1f}%"
-    if "peak_memory_gb" in record:
-        line += f", peak memory {record['peak_memory_gb']:.1f} GB"
-    return line
 
 
 class StepTimer:
@@ -103,7 +96,9 @@ class StepTimer:
         self.first_in_interval = True
         if self.compiled:
             self.graphs = compiled_graphs() - graphs_before
-            log.say(first_step_line(self.first_step_s, self.graphs))
+            took = f"first step: {self.first_step_s:.1f} s"
+            log.say(f"{took}, torch.compile included ({self.graphs} graphs); ms/iter leaves it out" if self.graphs else
+                    f"{took}; torch.compile was on but compiled no graph for the training step: it runs eagerly")
 
     def figures(self):
         """Speed figures since the last log (and the first step's, if it was among them); a new interval starts."""
@@ -133,11 +128,3 @@ def synced_time(device_type):
 def compiled_graphs():
     """The graphs torch.compile has compiled in this process so far (Dynamo's own count)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def first_step_line(seconds, graphs):
-    """What the first step of a compiled run says: how long it took, and whether compiling made any graph."""
-    if graphs:
-        return f"first step: {seconds:.1f} s, torch.compile included ({graphs} graphs); ms/iter leaves it out"
-    return (f"first step: {seconds:.1f} s; torch.compile was on but compiled no graph for the training step: it "
-            "runs eagerly")

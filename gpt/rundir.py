@@ -1,8 +1,6 @@
-"""
-The out_dir of a training run, as train.py's rank 0 holds it: a lock, so one run at a time writes there; metrics.jsonl
-(also sent to wandb if asked); ckpt.pt, written with Ctrl-C held off. A failed write (a full disk, a quota) stops the
-run with a message naming the checkpoint that is still intact.
-"""
+"""The out_dir of a training run, as train.py's rank 0 holds it: a lock, from RunDir() to close(), so one run at a time
+writes there; metrics.jsonl (also sent to wandb if asked); ckpt.pt, written with Ctrl-C held off. A failed write (a
+full disk, a quota) stops the run with a message naming the checkpoint that is still intact."""
 
 import contextlib
 import json
@@ -16,8 +14,6 @@ from gpt.files import FolderInUse, atomic_open, lock_folder, write_failure
 
 
 class RunDir:
-    """A run's out_dir, locked from construction to close()."""
-
     def __init__(self, settings):
         self.out_dir = settings["out_dir"]
         self.ckpt_path = os.path.join(self.out_dir, "ckpt.pt")
@@ -41,7 +37,12 @@ class RunDir:
     def start(self, settings, resumed_iter):
         """A resumed run continues the log from its checkpoint (of iteration resumed_iter); any other starts afresh,
         removing what an earlier run left (the constructor refused a checkpoint there unless overwrite=True)."""
-        wandb = import_wandb() if settings["wandb_log"] else None  # before anything is removed
+        if settings["wandb_log"]:  # imported before anything is removed
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
+                                "(or drop --wandb_log)") from None
         if resumed_iter is not None:
             from gpt.resume import keep_records_until
 
@@ -49,14 +50,14 @@ class RunDir:
             try:
                 keep_records_until(self.log_path, resumed_iter)
             except OSError as e:
-                raise self.write_failed(self.log_path, e) from None
+                raise self.failure(f"could not write {self.log_path} ({write_failure(e)})") from None
         else:
             if os.path.exists(self.ckpt_path):
                 print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
             for path in (self.ckpt_path, self.log_path):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
-        if wandb:
+        if settings["wandb_log"]:
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                        dir=self.out_dir)
@@ -66,27 +67,30 @@ class RunDir:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise self.write_failed(self.log_path, e) from None
+            raise self.failure(f"could not write {self.log_path} ({write_failure(e)})") from None
         if self.wandb:
             self.wandb.log(record, step=record["iter"])
 
     def save(self, checkpoint):
-        """Write ckpt.pt atomically, with SIGINT and SIGTERM held until it is on disk: a stop never cuts it short."""
-        with signals_deferred():
-            try:
-                save_checkpoint(self.ckpt_path, checkpoint)
-            except UserError as e:
-                raise UserError(f"{e}; {self.intact()}") from None
+        """Writes ckpt.pt with SIGINT and SIGTERM held (a second Ctrl-C too): a stop never cuts the write short."""
+        masks = hasattr(signal, "pthread_sigmask")  # Windows has no signal masks
+        if masks:
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            save_checkpoint(self.ckpt_path, checkpoint)
+        except UserError as e:
+            raise self.failure(str(e)) from None
+        finally:
+            if masks:  # delivers the signals that arrived meanwhile
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
         self.saved_iter = checkpoint["iter_num"]
 
-    def intact(self):
+    def failure(self, message):
+        """A UserError: message, then which checkpoint (if any) the run can be resumed from."""
         if self.saved_iter is None:
-            return "this run has saved no checkpoint yet"
-        return (f"{self.ckpt_path} still holds the checkpoint of iter {self.saved_iter}: continue from it with "
-                "--init_from=resume")
-
-    def write_failed(self, path, error):
-        return UserError(f"could not write {path} ({write_failure(error)}); {self.intact()}")
+            return UserError(f"{message}; this run has saved no checkpoint yet")
+        return UserError(f"{message}; {self.ckpt_path} still holds the checkpoint of iter {self.saved_iter}: continue "
+                         "from it with --init_from=resume")
 
     def close(self):
         if self.wandb:
@@ -99,33 +103,9 @@ class RunDir:
 
 
 def save_checkpoint(path, checkpoint):
-    """torch.save through atomic_open, so the checkpoint saved before stays until this one is whole; a failed write
-    is a UserError naming the path and the cause."""
+    """torch.save through atomic_open: the checkpoint saved before stays until this one is whole."""
     try:
         with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
             torch.save(checkpoint, f)
     except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
         raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
-
-
-def import_wandb():
-    try:
-        import wandb  # only needed when asked for
-    except ImportError:
-        raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
-                        "(or drop --wandb_log)") from None
-    return wandb
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """SIGINT and SIGTERM that arrive inside the block are delivered at its end, a second Ctrl-C included."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows: no signal masks
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
