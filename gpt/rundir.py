@@ -72,17 +72,20 @@ class RunDir:
             self.wandb.log(record, step=record["iter"])
 
     def save(self, checkpoint):
-        """Writes ckpt.pt with SIGINT and SIGTERM held (a second Ctrl-C too): a stop never cuts the write short."""
-        masks = hasattr(signal, "pthread_sigmask")  # Windows has no signal masks
-        if masks:
-            before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        """Writes ckpt.pt with SIGINT and SIGTERM held (a second Ctrl-C too): a stop never cuts the write short. They
+        are held by a handler that records them, not by a signal mask: a mask holds a signal for the main thread only,
+        and the kernel hands one sent to the process to any other thread (torch's) that does not block it."""
+        held, signums = [], (signal.SIGINT, signal.SIGTERM)
+        handlers = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in signums}
         try:
             save_checkpoint(self.ckpt_path, checkpoint)
         except UserError as e:
             raise self.failure(str(e)) from None
         finally:
-            if masks:  # delivers the signals that arrived meanwhile
-                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+            for signum in held:  # delivered now, to the handlers the run had: a first stops it, a second ends it
+                signal.raise_signal(signum)
         self.saved_iter = checkpoint["iter_num"]
 
     def failure(self, message):
