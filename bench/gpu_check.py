@@ -45,9 +45,11 @@ mean little, the paths and the speed are the point.
 
 Time on one H100 (2026-11-26, torch 2.11, a cold inductor cache; bench/RESULTS.md): with --no_tests --iters=20
 --memory_batches=16, 545 s reached only the eval row: train 66 s, ddp 102 s, fsdp 42 s, the resume rows 57, 100 and
-70 s, most of it torch.compile (32-45 s a first step); the decoding rows compile again (~70 s each compiled decode).
+70 s, most of it torch.compile (32-45 s a first step); the decoding rows compile again (~70-100 s each compiled decode;
+the tenth session's run of the decoding rows alone: int8 133 s, graphs 133 s, lookup 154 s).
 A lease of 15 minutes holds the training rows or the decoding rows, not both: --skip leaves rows out, e.g.
     python bench/gpu_check.py --no_tests --skip=ddp,fsdp,resume,resume_ddp,resume_fsdp,fp16,bf16,memory
+(with --iters=20 it reached every row but draft in 540 s; add lookup to the list to reach draft).
 
 Everything goes to out-gpu-check/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and
 every command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
