@@ -155,8 +155,8 @@ def load_models(source, settings, device, dtype):
                                and compiles_by_default(model))
         if settings["compile"]:
             from gpt.kernels import cache_dir
-            print(f"note: compiling the decode step (the first time 1-2 minutes for GPT-2 small on an H100, then kept in "
-                  f"{cache_dir()}; each run still takes seconds to start, which a short run may not earn back: "
+            print(f"note: compiling the decode step (the first time 1-2 minutes for GPT-2 small on an H100, then kept "
+                  f"in {cache_dir()}; each run still takes seconds to start, which a short run may not earn back: "
                   f"--compile=False skips it)", file=sys.stderr)
     draft = None
     if settings["draft"] and settings["draft"] != LOOKUP:
