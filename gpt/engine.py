@@ -1,7 +1,5 @@
-"""
-The decoding engine (docs/sampling.md): from a prompt's token ids to new tokens, fast, for sample.py, bench/ and
-evaluation. Speculative decoding is speculative.py's, scoring given tokens scoring.py's; the settings are sample.py's.
-"""
+"""The decoding engine (docs/sampling.md): from a prompt's token ids to new tokens, fast, for sample.py, bench/ and
+evaluation. Speculative decoding is speculative.py's, scoring given tokens scoring.py's, settings sample.py's."""
 
 import contextlib
 import time
@@ -64,7 +62,7 @@ def next_token_probs(logits, settings, vocab_size):
 
 
 def next_tokens(logits, settings, vocab_size, generator):
-    """gpt.sampling.sample_next_token's tokens (B, 1) without its check of the settings, which sampling_probs repeats."""
+    """gpt.sampling.sample_next_token's tokens (B, 1) without its check of the settings (sampling_probs repeats it)."""
     if settings["temperature"] == 0:
         return greedy(logits[:, :vocab_size])
     return torch.multinomial(next_token_probs(logits, settings, vocab_size), num_samples=1, generator=generator)
@@ -116,13 +114,11 @@ def last_logits(model, tokens, cache):
 
 
 # On CUDA: CUDA graphs (eager, a step is hundreds of kernel launches) and gpt-fast's coordinate-descent tuning, with
-# which inductor turns a one-row product into a reduction that fuses --quantize=int8's cast, so a batch-1 step reads
-# int8 weights (tests/test_quantize.py shows the graph).
+# which a batch-1 step's products become reductions fusing --quantize=int8's cast (tests/test_quantize.py shows it).
 CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
 COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <= 255 unused slots costs little
-# Compiling pays for weights over this size (a CPU step is then bound by reading them, a CUDA one eager by kernel
-# launches) or int8 ones (eager, each step makes a float copy); a smaller model's compiled code costs more to load than
-# its tokens gain. MPS does not compile: torch.compile's MPS backend is not what the repo tests.
+# Compiling pays where reading the weights (a CPU) or launching kernels (CUDA, eager) bounds a step, or for int8 weights
+# (eager, each step makes a float copy); a smaller model's compiled code costs more to load than its tokens gain.
 COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
 
 
@@ -137,13 +133,12 @@ def compile_decode_step(device, step=decode_step):
 
 
 def compiled_cache_length(positions, block_size):
-    """A compiled step's static cache length, which it attends over whole: the run's positions rounded up to a multiple
-    of COMPILED_CACHE_STEP, so that runs of other lengths reuse the compiled code, at most block_size."""
+    """A compiled step's static cache length (attended over whole), rounded up so other run lengths reuse its code."""
     return min(block_size, -(-positions // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
 
 
 def compiles_by_default(model):
-    """Whether sample.py compiles this model's decode step when --compile is not given."""
+    """Whether sample.py compiles the decode step by default (not on MPS: the repo doesn't test torch.compile there)."""
     tensors = [*model.parameters(), *model.buffers()]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     int8 = any(t.dtype == torch.int8 for t in tensors)

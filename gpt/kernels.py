@@ -1,16 +1,12 @@
-"""
-Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: measured on the machine once, and
-remembered in kernels.json under cache_dir() (docs/sampling.md).
+"""Which kernel multiplies a decode step's few rows by each weight matrix on this CPU: measured on the machine once,
+and remembered in kernels.json under cache_dir() (docs/sampling.md).
 
     with decode_linears(model, rows=1):   # inside, each linear layer is a DecodeLinear running the kernel chosen
         ...decode steps...
 
-A decode step is bound by how fast a kernel streams the weights, and which kernel does that best depends on the CPU and
-torch's build (each candidate won somewhere: bench/RESULTS.md). So none is picked by vendor: each in KERNELS runs every
-linear layer of the model once, in order (a model larger than the caches is then read from memory, as decoding reads
-it), interleaved, best of REPEATS; the fastest wins. All compute the same product in the same precision, only in another
-order, so a choice changes the logits within float rounding (usable_kernels checks); some take one kind of weight or
-rows only. An int8 layer (quantize.py) computes through a kernel (its `through`), scaling after it.
+A decode step is bound by how fast a kernel streams the weights, and which does that best depends on the CPU and torch's
+build (each candidate won somewhere: bench/RESULTS.md), so measure times them all. All compute the same product in the
+same precision, in another order: the logits change within float rounding (usable_kernels checks).
 """
 
 import contextlib
@@ -35,8 +31,7 @@ CACHE_ENV = "GPT_CACHE_DIR"  # where choices and compiled kernels are kept; defa
 
 
 def float_rows(x):
-    """x as the rows a float kernel multiplies: int8 rows (a W8A8Linear's) as float32, whose products of whole
-    numbers sum exactly below 2^24 (as that layer's own forward computes them); float rows as they are."""
+    """int8 rows (a W8A8Linear's) as float32, as its forward sums them: whole-number products, exact below 2^24."""
     return x if x.is_floating_point() else x.float()
 
 
@@ -46,9 +41,8 @@ def torch_linear(x, weight, bias):  # torch's own choice: MKL's sgemm for fp32 o
 
 
 def opaque_when_compiled(name):
-    """A decorator: the product (x, weight, bias) as it is when eager, and as a custom op of its own (gpt::name) while
-    compiling, which inductor calls as it is: it lowers none of these library calls, or only for weights frozen into
-    the graph (torch._inductor.config.freezing), and one of them looks its weights up at run time."""
+    """Eager, the product itself; compiling, a custom op gpt::name that inductor calls as is: it lowers none of these
+    library calls but on weights frozen in (torch._inductor.config.freezing), and one looks up weights at run time."""
     def decorate(product):
         op = torch.library.custom_op(f"gpt::{name}", product, mutates_args=())
         op.register_fake(lambda x, weight, bias: x.new_empty(  # int8 rows' sums come back as float32
@@ -60,13 +54,11 @@ def opaque_when_compiled(name):
 
 @opaque_when_compiled("onednn_linear")
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's inner product, called directly."""
     return torch.ops.mkldnn._linear_pointwise(x, weight.to(x.dtype), bias, "none", [], "")
 
 
 def matrix_vector_linear(x, weight, bias):
-    """W @ x for one row (torch.mv), (W @ x^T)^T for more: the BLAS's matrix-vector form, or a product whose thin
-    side is the input, where some BLAS stream W faster than in x @ W^T."""
+    """W @ x (torch.mv at one row): with the input as the thin side, some BLAS stream W faster than in x @ W^T."""
     rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
     weight = weight.to(rows.dtype)
     y = torch.mv(weight, rows[0])[None] if rows.size(0) == 1 else (weight @ rows.T).T  # (M, out)
@@ -81,9 +73,7 @@ def computed_first(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-@computed_first.register_fake
-def computed_first_shape(x):
-    return torch.empty_like(x)
+computed_first.register_fake(lambda x: torch.empty_like(x))
 
 
 def reduction_linear(x, weight, bias):
@@ -101,13 +91,11 @@ def reduction_linear(x, weight, bias):
     return y.view(*x.shape[:-1], weight.size(0))
 
 
-# (address, shape, dtype) of a weight -> (the weight, oneDNN's packed copy), emptied as decode_linears ends; holding the
-# weight keeps its address from being reused meanwhile.
+# (address, shape, dtype) -> (weight, packed copy) until decode_linears ends; held, the weight's address is not reused
 packed_weights = {}
 
 
 def packed_copy(weight, pack):
-    """pack(weight), computed once per weight while decode_linears lasts (packed_weights)."""
     key = (weight.data_ptr(), tuple(weight.shape), weight.dtype)
     if key not in packed_weights:
         packed_weights[key] = weight, pack(weight)
@@ -136,7 +124,6 @@ def int8_packed(weight):
 
 @opaque_when_compiled("shifted_int8_product")
 def shifted_int8_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """oneDNN's product of uint8 rows (int8 ones + 128) and int8 weights packed once, as float32 (+ bias)."""
     packed, ones, zeros = packed_copy(weight, int8_packed)
     y = torch.ops.onednn.qlinear_pointwise(rows.reshape(-1, rows.size(-1)), 1.0, 128, packed, ones, zeros, bias, 1.0,
                                            0, torch.float32, "none", [], "")  # (M, out)
@@ -144,10 +131,9 @@ def shifted_int8_product(rows: torch.Tensor, weight: torch.Tensor, bias: Optiona
 
 
 def onednn_int8_linear(x, weight, bias):
-    """oneDNN's int8 x int8 product (x86 quantization's qlinear) for int8 rows (W8A8Linear's) and int8 weights packed
-    once: the integer sums, exact in int32, as float32 (+ bias). The rows are shifted by 128 (the sign bit flipped;
-    compiled, in the loop that quantizes them) and oneDNN subtracts that zero point again: signed rows run a slow
-    reference loop. Without VNNI its pair sums saturate in int16, and usable_kernels drops it."""
+    """oneDNN's int8 product on weights packed once: exact int32 sums as float32 (+ bias). The rows are shifted by 128
+    (the sign bit flipped; compiled, in the loop that quantizes them) and oneDNN subtracts that zero point again: signed
+    rows run a slow reference loop. Without VNNI its pair sums saturate in int16 (usable_kernels drops it)."""
     if x.dtype != torch.int8 or weight.dtype != torch.int8:
         raise RuntimeError("oneDNN's int8 product takes int8 rows and int8 weights only")
     return shifted_int8_product(x.view(torch.uint8) ^ 128, weight, bias)
@@ -197,7 +183,6 @@ def say_once(note):
 
 
 def cache_dir():
-    """The folder kept between runs for kernel choices and compiled code."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.environ.get(CACHE_ENV) or os.path.join(base, "gpt")
 
@@ -209,7 +194,6 @@ def this_machine():
 
 
 def read_choices(path):
-    """The choices remembered in path if measured on this machine, else {} (also for a missing or unreadable file)."""
     try:
         with open(path) as f:
             kept = json.load(f)
@@ -234,12 +218,10 @@ def remember(key, name):
 
 
 def row_dtype(layer):
-    """The dtype of the rows a kernel multiplies by the layer's weight: an int8 layer's row_dtype, else the weight's."""
     return getattr(layer, "row_dtype", layer.weight.dtype)
 
 
 def random_rows(layer, rows):
-    """rows random inputs of a kernel for the layer's weight, (rows, in)."""
     if row_dtype(layer) == torch.int8:
         return torch.randint(-127, 128, (rows, layer.in_features), dtype=torch.int8)
     return torch.randn(rows, layer.in_features, dtype=row_dtype(layer))
@@ -270,8 +252,9 @@ def run_layers(kernel, layers, inputs):
 
 
 def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
-    """The fastest candidate over all layers at rows rows, each run compiled if the step will be (inductor writes
-    some products, e.g. torch.mv, as loops of its own, faster than the library's eager)."""
+    """The fastest candidate, each timed on all layers in order (a model larger than the caches is then read from
+    memory, as decoding reads it), compiled if the step will be (inductor writes some products, e.g. torch.mv, as
+    loops of its own, faster than the library's eager)."""
     inputs = [random_rows(layer, rows) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
@@ -324,9 +307,9 @@ def fastest_kernel(layers, rows, compiled):
 
 
 class DecodeLinear(nn.Module):
-    """A linear layer as decode_linears swaps it in: decode-sized inputs run the kernel chosen (rows -> name) for
-    their row count, else for the most rows chosen; a prefill or an eager step of a compiled-only kernel runs the
-    layer's own forward. It holds the layer's tensors under their names, and its hooks: state_dict is unchanged."""
+    """A linear layer as decode_linears swaps it in, running the kernel chosen for a decode-sized input's row count
+    (else the most rows'); a prefill, or an eager step of a compiled-only kernel, runs the layer's own forward. It
+    holds the layer's tensors under their names, and its hooks: state_dict is unchanged."""
 
     def __init__(self, layer, chosen):
         super().__init__()
@@ -378,7 +361,6 @@ def decode_linears(model, rows, compiled=False):
 
 
 def chosen_note():
-    """sample.py's line on stderr: the kernels this process's decode steps chose, and where the choice is kept."""
     path = os.path.join(cache_dir(), "kernels.json")
     kept = f"kept in {path}" if choices.keys() <= read_choices(path).keys() else "not kept"
     return f"note: decode kernels chosen for this CPU: {', '.join(dict.fromkeys(choices.values()))} ({kept})"
