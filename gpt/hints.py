@@ -11,7 +11,7 @@ import shlex
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DATA_ROOT = os.path.join(ROOT, "data")
-# nanoGPT's names for what is called otherwise here: a nanoGPT user's habit gets the right hint, not the nearest spelling
+# nanoGPT's names for what is called otherwise here: a nanoGPT habit gets the right hint, not the nearest spelling
 NANOGPT_NAMES = {"start": "prompt", "decay_lr": "lr_schedule", "config/train_shakespeare_char.py": "config/small.py",
                  "config/train_gpt2.py": "config/gpt2_124m.py", "config/finetune_shakespeare.py": "config/small.py"}
 

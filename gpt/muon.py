@@ -1,7 +1,7 @@
 """Muon for the matrices inside the blocks: torch.optim.Muon's step, with its Newton-Schulz orthogonalization in
 float32 on a CPU. torch fixes it to bfloat16, which a CPU without bfloat16 instructions (no AVX512-BF16 or AMX)
-emulates 12-17x slower; with them, bfloat16 took 0.86x float32's time at config/small.py's shapes and 2.7-3.8x at
-smaller ones (bench/RESULTS.md). So a CPU orthogonalizes in float32, an accelerator in torch's bfloat16: no timing at start."""
+emulates up to 18x slower at config/small.py's shapes; with them, bfloat16 took 0.86x float32's time there and 2.7-3.8x
+at smaller ones (bench/RESULTS.md). So a CPU orthogonalizes in float32, an accelerator in bfloat16, nothing timed."""
 
 import torch
 from torch.optim._muon import _adjust_lr  # the learning rate per matrix shape, as torch's Muon scales it
