@@ -218,14 +218,15 @@ def check_settings(settings):
         gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a Llama "
                 "or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
         raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}")
-    at_least = dict.fromkeys(("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
-                              "gradient_accumulation_steps"), 1) | dict.fromkeys(
-        ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"), 0)
-    for key, low in at_least.items():
-        if settings[key] < low:
-            raise UserError(f"{key} must be at least {low}, got {settings[key]}")
+    for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
+                "gradient_accumulation_steps"):
+        if settings[key] < 1:
+            raise UserError(f"{key} must be at least 1, got {settings[key]}")
     if settings["learning_rate"] <= 0:
         raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
+    for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
+        if settings[key] < 0:
+            raise UserError(f"{key} must be at least 0, got {settings[key]}")
     if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
         raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
     if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr

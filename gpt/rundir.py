@@ -37,6 +37,7 @@ class RunDir:
     def start(self, settings, resumed_iter):
         """A resumed run continues the log from its checkpoint (of iteration resumed_iter); any other starts afresh,
         removing what an earlier run left (the constructor refused a checkpoint there unless overwrite=True)."""
+        wandb = None
         if settings["wandb_log"]:  # imported before anything is removed
             try:
                 import wandb
@@ -50,14 +51,14 @@ class RunDir:
             try:
                 keep_records_until(self.log_path, resumed_iter)
             except OSError as e:
-                raise self.failure(f"could not write {self.log_path} ({write_failure(e)})") from None
+                raise self.write_failed(self.log_path, e) from None
         else:
             if os.path.exists(self.ckpt_path):
                 print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
             for path in (self.ckpt_path, self.log_path):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
-        if settings["wandb_log"]:
+        if wandb:
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                        dir=self.out_dir)
@@ -67,7 +68,7 @@ class RunDir:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise self.failure(f"could not write {self.log_path} ({write_failure(e)})") from None
+            raise self.write_failed(self.log_path, e) from None
         if self.wandb:
             self.wandb.log(record, step=record["iter"])
 
@@ -94,6 +95,9 @@ class RunDir:
             return UserError(f"{message}; this run has saved no checkpoint yet")
         return UserError(f"{message}; {self.ckpt_path} still holds the checkpoint of iter {self.saved_iter}: continue "
                          "from it with --init_from=resume")
+
+    def write_failed(self, path, error):
+        return self.failure(f"could not write {path} ({write_failure(error)})")
 
     def close(self):
         if self.wandb:

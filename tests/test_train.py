@@ -575,8 +575,8 @@ def test_a_lock_left_by_a_killed_run_does_not_block_the_next(workdir, tmp_path):
 SLOW_SAVE = """
 import os, runpy, sys, threading, time, torch
 real_save, marker = torch.save, sys.argv[1]
-# a thread that blocks no signal, as torch's own threads (OpenMP's workers): the kernel hands a signal sent to the
-# process to any thread that does not block it, so blocking it in the main thread alone held it in none of config/small.py's runs
+# a thread that blocks no signal, as torch's own (OpenMP's workers): the kernel hands a signal sent to the process to
+# any thread that does not block it, so a signal mask on the main thread alone did not hold it in config/small.py's runs
 threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 
 def slow_save(obj, f):  # a checkpoint write that takes 2 s after its data is written, before the rename
