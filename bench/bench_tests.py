@@ -1,0 +1,110 @@
+"""
+How long the test suite takes, and where the time goes: runs `python -m pytest` (the whole suite, or the files and
+options given) in a fresh process, then prints the wall time, the seconds of each file and the slowest tests, each
+test's set-up (its fixtures' share) and tear-down included. Speed is measured here, never asserted in a test.
+
+    python bench/bench_tests.py                                  # the whole suite, as README's command runs it
+    python bench/bench_tests.py tests/test_invariants.py         # the fast check
+    python bench/bench_tests.py --save=after.json --before=before.json   # and a column of an earlier run's figures
+
+Run it on a quiet machine: the figures are wall-clock seconds, and another job on the same cores moves them.
+"""
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from gpt.cpuinfo import cpu_flags, cpuinfo_field  # noqa: E402
+
+LIMIT_S = 15.0  # no test, its set-up included, should take longer (issue 56)
+
+
+def machine():
+    """e.g. "AMD EPYC (family 25, model 17), AVX-512, 2 cores, torch 2.13.0+cpu": which CPU the figures came from."""
+    import torch
+    flags = cpu_flags()
+    vector = "AVX-512" if "avx512f" in flags else "AVX2, no AVX-512" if "avx2" in flags else "no AVX2"
+    family, model = cpuinfo_field("cpu family"), cpuinfo_field("model")
+    return (f"{cpuinfo_field('model name') or 'unknown CPU'} (family {family}, model {model}), {vector}, "
+            f"{os.cpu_count()} cores, torch {torch.__version__}")
+
+
+def run_suite(pytest_args, log_path):
+    """Run pytest with a JUnit report; return (wall seconds, exit code, {test id: seconds}, its last output line)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.xml")
+        start = time.perf_counter()
+        with open(log_path, "w") as log:
+            code = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}",
+                                    *pytest_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - start
+        tests = {}  # junit's time is set-up + call + tear-down (pytest's junit_duration_report=total)
+        if os.path.exists(report):
+            for case in ElementTree.parse(report).getroot().iter("testcase"):
+                path = case.get("classname").replace(".", "/") + ".py"
+                tests[f"{path}::{case.get('name')}"] = float(case.get("time"))
+    with open(log_path) as log:
+        lines = [line.strip() for line in log if line.strip()]
+    return wall, code, tests, lines[-1].strip("= ") if lines else ""
+
+
+def by_file(tests):
+    files = collections.defaultdict(list)
+    for test, seconds in tests.items():
+        files[test.split("::")[0]].append(seconds)
+    return {path: (sum(times), len(times)) for path, times in files.items()}
+
+
+def print_tables(result, before, slowest):
+    before_files = by_file(before["tests"]) if before else {}
+    column = lambda seconds: f"{seconds:9.1f}" if seconds is not None else "        -"  # noqa: E731
+    print(f"\n{'file':40s} {'seconds':>9s} {'tests':>6s}" + (f" {'before':>9s}" if before else ""))
+    for path, (seconds, count) in sorted(by_file(result["tests"]).items(), key=lambda item: -item[1][0]):
+        previous = before_files.get(path, (None,))[0]
+        print(f"{path:40s} {seconds:9.1f} {count:6d}" + (f" {column(previous)}" if before else ""))
+    print(f"\nthe {slowest} slowest tests (set-up included)" + (", and before" if before else ""))
+    for test, seconds in sorted(result["tests"].items(), key=lambda item: -item[1])[:slowest]:
+        mark = "  OVER 15 s" if seconds > LIMIT_S else ""
+        print(f"{seconds:7.1f}" + (f" {column(before['tests'].get(test))}" if before else "") + f"  {test}{mark}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pytest_args", nargs="*", help="files and options for pytest (default: the whole suite)")
+    parser.add_argument("--slowest", type=int, default=20, help="how many of the slowest tests to list (default 20)")
+    parser.add_argument("--save", help="write the figures to this JSON file")
+    parser.add_argument("--before", help="a JSON file saved by an earlier run: its figures in a column beside")
+    parser.add_argument("--log", default=os.path.join(tempfile.gettempdir(), "bench_tests.log"),
+                        help="pytest's own output goes here (default: bench_tests.log in the temp folder)")
+    args = parser.parse_args()
+    try:
+        before = json.load(open(args.before)) if args.before else None
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read --before {args.before} ({e}); give a file that --save wrote")
+    wall, code, tests, last_line = run_suite(args.pytest_args, args.log)
+    result = dict(machine=machine(), command=" ".join(["python -m pytest", *args.pytest_args]), wall_s=round(wall, 1),
+                  exit_code=code, summary=last_line, tests=tests)
+    print(f"{result['command']}: {wall:.1f} s wall ({wall / 60:.1f} min), exit {code}: {last_line}")
+    print(f"machine: {result['machine']}")
+    if before:
+        print(f"before: {before['wall_s']:.1f} s wall ({before['wall_s'] / 60:.1f} min) on {before['machine']}")
+    print_tables(result, before, args.slowest)
+    over = [test for test, seconds in tests.items() if seconds > LIMIT_S]
+    print(f"\ntests over {LIMIT_S:.0f} s: {len(over)}; pytest's output: {args.log}")
+    if args.save:
+        with open(args.save + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(args.save + ".tmp", args.save)
+
+
+if __name__ == "__main__":
+    main()
