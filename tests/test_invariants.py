@@ -376,13 +376,13 @@ def test_each_query_is_moved_by_its_promised_keys_only(name, device):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_cache_in_chunks_equals_full_forward(name, device):
-    error = cache_vs_full(build(name, device))
+    error = unplanted(cache_vs_full, name, device)
     assert error < TOL, f"{name}: the KV cache fed in chunks differs from the full forward by {error:.3g} (max |logit|)"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_static_cache_equals_growing_cache(name, device):
-    error = static_vs_growing(build(name, device))
+    error = unplanted(static_vs_growing, name, device)
     assert error < TOL, f"{name}: the static (compiled) cache differs from the growing one by {error:.3g} (max |logit|)"
 
 
@@ -473,8 +473,9 @@ def naive_greedy_sliding(model, prompt, n):
     return out
 
 
-def noised(model, seed, scale=0.15):
-    """A draft: the model's weights plus noise, so that it agrees with the model often, not always."""
+def noised(model, seed, scale=0.03):
+    """A draft: the model's weights plus noise, so that it agrees with the model often, not always (measured over
+    CONFIGS: 30-50% of its proposals accepted; at scale 0.15, 2-10%, and twice the verification steps)."""
     draft = copy.deepcopy(model)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
