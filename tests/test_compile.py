@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 MODES = {"one_process": [], "ddp": [], "fsdp": ["--fsdp=True"], "activation_checkpointing":
          ["--activation_checkpointing=True"], "fsdp_activation_checkpointing": ["--fsdp=True",
                                                                                 "--activation_checkpointing=True"]}
-RUN = ["--n_layer=2", "--max_iters=2", "--eval_interval=2", "--compile=True", "--dropout=0.0"]
+# the least that compiles a training step, its graphs the fewest ops: one block, one step (and its evaluations)
+RUN = ["--n_layer=1", "--max_iters=1", "--eval_interval=1", "--compile=True", "--dropout=0.0"]
 
 
 @pytest.fixture

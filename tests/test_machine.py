@@ -19,15 +19,19 @@ import sample
 from gpt import machine
 from gpt.machine import SharedCpu, busy_cores, cpu_counters, shared_cpu, threads_for
 from model import GPT, GPTConfig
-from test_train import TINY, TRAIN, workdir  # noqa: F401 (workdir is a fixture)
+from test_train import train_main, workdir  # noqa: F401 (workdir is a fixture)
 
-SPIN = "import time\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"  # bounded, whatever happens
+# bounded, whatever happens; it says when it spins
+SPIN = "import time\nprint(flush=True)\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"
 
 
 @contextlib.contextmanager
 def every_core_busy():
-    procs = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(os.cpu_count())]
+    """A process spinning on each core, every one of them spinning already."""
+    procs = [subprocess.Popen([sys.executable, "-c", SPIN], stdout=subprocess.PIPE) for _ in range(os.cpu_count())]
     try:
+        for proc in procs:
+            proc.stdout.readline()
         yield
     finally:
         for proc in procs:
@@ -178,13 +182,20 @@ def test_the_counters_see_a_real_load():
     assert busy > os.cpu_count() - 0.5, busy
 
 
-def test_train_says_once_that_the_machine_is_busy(workdir, tmp_path):  # noqa: F811
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torch's own thread count
-    command = [sys.executable, TRAIN, *TINY, "--max_iters=4", "--eval_interval=4", "--overwrite=True"]
-    with every_core_busy():
-        busy = subprocess.run([*command, f"--out_dir={tmp_path / 'busy'}"], cwd=workdir, env=env,
-                              capture_output=True, text=True, timeout=120)
-    assert busy.returncode == 0, busy.stderr
-    lines = [line for line in busy.stdout.splitlines() if line.startswith("this machine is")]
+def test_train_says_once_that_the_machine_is_busy(workdir, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """train.py's run, in this process (a process of its own would spend seconds importing torch on the busy cores),
+    with torch's own thread count: one per core, no OMP_NUM_THREADS."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())
+    try:
+        with every_core_busy():
+            stopped_by = train_main(workdir, tmp_path / "busy", "--max_iters=4", "--eval_interval=4",
+                                    "--overwrite=True")
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert stopped_by is None, out  # it ran to the end: the command's exit status 0
+    lines = [line for line in out.splitlines() if line.startswith("this machine is")]
     if os.cpu_count() > 1:
-        assert len(lines) == 1 and "busier than its cores" in lines[0] and "takes 1 thread" in lines[0], busy.stdout
+        assert len(lines) == 1 and "busier than its cores" in lines[0] and "takes 1 thread" in lines[0], out

@@ -1,16 +1,24 @@
 """Tests for parallel.py and train.py's fsdp and activation_checkpointing settings, with 2 gloo processes on CPU:
 FSDP x2, DDP x2 and one process with the same global batch train the same model; ckpt.pt keeps one format, so a run
 resumes under FSDP, DDP or one process whatever wrote it; FSDP holds about half the bytes per process; activation
-checkpointing leaves the loss and gradients as they were; the settings that cannot run are one-line errors."""
+checkpointing leaves the loss and gradients as they were; the settings that cannot run are one-line errors.
+
+The 2-process runs and checks share one torchrun world (the `world` fixture, started once in the background): each
+torchrun costs a launcher and 2 processes that import torch, seconds each, where a run of these tiny models takes a
+fraction of a second. The world runs its jobs in the order of the tests that read them, and a test waits only for
+its own. The two tests about what every process of `torchrun ... train.py` prints as it refuses to start launch that
+command itself."""
 
 import contextlib
 import copy
+import io
 import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -19,10 +27,11 @@ import torch.distributed as dist
 import train
 from gpt import UserError
 from gpt.parallel import (by_index, by_name, check_fsdp, checkpoint_blocks, compile_blocks, full_model_state,
-                          full_optimizer_states, load_optimizer_states, shard)
+                          full_optimizer_states, load_optimizer_states, shard, wrap_ddp)
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401
-from test_train import TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records
+from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
+                        run_script)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -30,19 +39,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 layers (so that there are two sharded blocks), no dropout (processes draw different masks), global batch 2 x 4
 RUN = TINY + TWO_PROCESSES + ["--n_layer=2", "--dropout=0.0", "--gradient_accumulation_steps=2", "--eval_interval=3"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def torchrun(workdir, out_dir, log_path, *args):
-    """A 2-process train.py run in the background (a context manager yielding the process)."""
-    return in_background([*TORCHRUN, TRAIN, *RUN, f"--out_dir={out_dir}", *args], workdir, log_path)
-
-
-def finish(proc, log_path):
-    proc.wait(timeout=300)
-    with open(log_path) as f:
-        output = f.read()
-    assert proc.returncode == 0, output
-    return output
+RESUME = ["--max_iters=6", "--init_from=resume"]
+MUON = ["--optimizer=muon"]
+BF16 = ["--max_iters=6", "--dtype=bfloat16"]
+# DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
+# (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
+DDP_BATCH = ["--gradient_accumulation_steps=1", "--batch_size=8"]
 
 
 def assert_same_run(got_dir, expected_dir, tolerance):
@@ -59,127 +61,239 @@ def assert_same_run(got_dir, expected_dir, tolerance):
         torch.testing.assert_close(got_model[name], weight, atol=tolerance, rtol=0, msg=name)
 
 
+# ----------------------------------------------------------------------------------------------------
+# The world: one torchrun of 2 processes that runs every 2-process run and check of this module in turn
+
+
+@contextlib.contextmanager
+def torchrun_group():
+    """The gloo process group of a torchrun world's process (RANK, WORLD_SIZE and the store in its environment),
+    for one job: a job starts and ends its own, as train.main does."""
+    dist.init_process_group("gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def train_job(workdir, out_dir, *args, copy_from=None, cwd=None):
+    """A job of the world: train.main(RUN + args) in workdir (or cwd), as `torchrun ... train.py` runs it, after rank
+    0 copied copy_from to out_dir (the other rank waits for it at the process group's start, in train.main). Its
+    result: what the rank printed."""
+    def job(rank):
+        if copy_from and rank == 0:
+            shutil.copytree(copy_from, os.path.join(cwd or workdir, out_dir))
+        printed = io.StringIO()
+        try:
+            with in_dir(cwd or workdir), contextlib.redirect_stdout(printed):
+                stopped_by = train.main(RUN + [f"--out_dir={out_dir}", *args])
+        finally:
+            sys.stdout.write(printed.getvalue())  # in the world's output too, beside a failure's traceback
+        assert stopped_by is None, stopped_by  # it ran to the end: the command's exit status 0
+        return printed.getvalue()
+    return job
+
+
+def world_jobs(root, workdir):
+    """name -> job(rank) of the world, in the order of the tests that read them. Each returns its result (a string)
+    on each rank. root: the fixture's folder, holding each run's out_dir under the run's name."""
+    def out(name):
+        return os.path.join(root, name)
+
+    return {
+        "fsdp_3": train_job(workdir, out("fsdp_3"), "--max_iters=3", "--fsdp=True"),
+        "fsdp": train_job(workdir, out("fsdp"), "--max_iters=6", "--fsdp=True"),
+        "ddp": train_job(workdir, out("ddp"), "--max_iters=6", *DDP_BATCH),
+        "muon_fsdp_3": train_job(workdir, out("muon_fsdp"), "--max_iters=3", "--fsdp=True", *MUON),
+        "muon_fsdp": train_job(workdir, out("muon_fsdp"), *RESUME, "--fsdp=True", *MUON),
+        "sharded_muon": sharded_muon_steps,
+        "fsdp_3_fsdp": train_job(workdir, out("fsdp_3_fsdp"), *RESUME, "--fsdp=True", copy_from=out("fsdp_3")),
+        "fsdp_3_fsdp_ac": train_job(workdir, out("fsdp_3_fsdp_ac"), *RESUME, "--fsdp=True",
+                                    "--activation_checkpointing=True", copy_from=out("fsdp_3")),
+        "single_3_fsdp": train_job(workdir, out("single_3_fsdp"), *RESUME, "--fsdp=True", copy_from=out("single_3")),
+        "fsdp_3_ddp": train_job(workdir, out("fsdp_3_ddp"), *RESUME, copy_from=out("fsdp_3")),
+        # each rank in a folder of its own, holding the data (copied there by the fixture): nodes that share no
+        # filesystem; ckpt.pt only on rank 0's
+        "nodes": lambda rank: train_job(workdir, "run", *RESUME, copy_from=out("fsdp_3"),
+                                        cwd=os.path.join(root, "nodes", f"node{rank}"))(rank),
+        "send_a_file": lambda rank: send_a_file(rank, os.path.join(root, "file.bin"), os.path.join(root, "sent")),
+        "fsdp_bf16": train_job(workdir, out("fsdp_bf16"), *BF16, "--fsdp=True"),
+        "fsdp_resumes_a_cpu_run": fsdp_resumes_a_cpu_run,
+        "fsdp_ac_loads_an_optimizer_state": fsdp_ac_loads_an_optimizer_state,
+        "bytes_ddp": lambda rank: bytes_per_process("ddp"),
+        "bytes_fsdp": lambda rank: bytes_per_process("fsdp"),
+        "accumulation": lambda rank: accumulation_that_does_not_divide(workdir, out("accumulation")),
+    }
+
+
+def a_store_of_its_own(rank, name, agent_port):
+    """The process group of job name to meet in a store of its own, on a port rank 0 picks and gives the other rank
+    through torchrun's store (at agent_port), as a torchrun of its own would. In torchrun's store, which all the
+    world's groups would share, the second group's start hung (in ProcessGroupGloo's connection of the ranks), the
+    first one's keys still there."""
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], agent_port, is_master=False)
+    if rank == 0:
+        agent.set(f"port of {name}", str(free_port()))
+    os.environ.update(MASTER_PORT=agent.get(f"port of {name}").decode(), TORCHELASTIC_USE_AGENT_STORE="False")
+
+
+def run_world(root, workdir):
+    """The world's processes: each job in turn, its result written to root/done/<name>.rank<r> when it returns (a
+    job that raises ends the process, and torchrun the world, the traceback in its output)."""
+    rank, agent_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+    for name, job in world_jobs(root, workdir).items():
+        a_store_of_its_own(rank, name, agent_port)
+        result = job(rank)
+        path = os.path.join(root, "done", f"{name}.rank{rank}")
+        with open(path + ".tmp", "w") as f:
+            f.write(result)
+        os.replace(path + ".tmp", path)  # whole or absent: the test polls for it
+
+
+WORLD = """import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import test_parallel
+test_parallel.run_world(*sys.argv[1:])
+"""
+
+
+class World:
+    """The world running in the background: out_dir(name) and result(name) wait for that job only."""
+
+    def __init__(self, proc, root, log_path):
+        self.proc, self.root, self.log_path = proc, root, log_path
+
+    def result(self, name):
+        """The job's result on each rank, [rank 0's, rank 1's], once both have finished it."""
+        paths = [os.path.join(self.root, "done", f"{name}.rank{rank}") for rank in (0, 1)]
+        deadline = time.monotonic() + 300
+        while not all(map(os.path.exists, paths)):
+            if self.proc.poll() is not None and not all(map(os.path.exists, paths)):
+                with open(self.log_path) as f:
+                    pytest.fail(f"the world ended (status {self.proc.returncode}) before job {name}:\n{f.read()}")
+            if time.monotonic() > deadline:  # hung: stopped, so that the tests after this one fail at once
+                self.proc.terminate()
+                self.proc.wait(timeout=60)
+                pytest.fail(f"job {name} not done in 300 s")
+            time.sleep(0.05)
+        results = []
+        for path in paths:
+            with open(path) as f:
+                results.append(f.read())
+        return results
+
+    def out_dir(self, name):
+        """The out_dir of a run: of the world's job name once it has finished, or of a one-process run (done in
+        the fixture)."""
+        if name in ("single", "single_3"):
+            return os.path.join(self.root, name)
+        self.result(name)
+        return os.path.join(self.root, name)
+
+
+def one_process_run(workdir, out_dir, *args):
+    """A one-process run of RUN + args, in this process (while the world runs in its own)."""
+    with in_dir(workdir):
+        train.main(RUN + [f"--out_dir={out_dir}", *args])
+    return str(out_dir)
+
+
 @pytest.fixture(scope="module")
-def runs(workdir, tmp_path_factory):
-    """out_dirs of: 6 iterations in one process, with DDP x2 and with FSDP x2; 3 iterations in one process and with
-    FSDP x2; and those resumed to 6: the FSDP one under FSDP, DDP and in one process, the single one under FSDP."""
-    root = tmp_path_factory.mktemp("runs")
-    dirs = {name: str(root / name) for name in ("single", "ddp", "fsdp", "single_3", "fsdp_3", "fsdp_3_fsdp",
-                                                "fsdp_3_single", "fsdp_3_ddp", "single_3_fsdp", "fsdp_3_fsdp_ac")}
-    logs = {name: str(root / f"{name}.txt") for name in dirs}
-    with torchrun(workdir, dirs["fsdp"], logs["fsdp"], "--max_iters=6", "--fsdp=True") as fsdp, \
-            torchrun(workdir, dirs["fsdp_3"], logs["fsdp_3"], "--max_iters=3", "--fsdp=True") as fsdp_3:
-        with in_dir(workdir):  # the one-process runs meanwhile, in this process
-            train.main(RUN + [f"--out_dir={dirs['single']}", "--max_iters=6"])
-            train.main(RUN + [f"--out_dir={dirs['single_3']}", "--max_iters=3"])
-        finish(fsdp_3, logs["fsdp_3"])
-        assert "2 process(es) on cpu" in finish(fsdp, logs["fsdp"])
-    for source, target in (("fsdp_3", "fsdp_3_fsdp"), ("fsdp_3", "fsdp_3_single"), ("fsdp_3", "fsdp_3_ddp"),
-                           ("single_3", "single_3_fsdp"), ("fsdp_3", "fsdp_3_fsdp_ac")):
-        subprocess.run(["cp", "-r", dirs[source], dirs[target]], check=True)
-    resume = ["--max_iters=6", "--init_from=resume"]
-    # DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
-    # (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
-    ddp_batch = ["--gradient_accumulation_steps=1", "--batch_size=8"]
-    with torchrun(workdir, dirs["ddp"], logs["ddp"], "--max_iters=6", *ddp_batch) as ddp, \
-            torchrun(workdir, dirs["fsdp_3_fsdp"], logs["fsdp_3_fsdp"], *resume, "--fsdp=True") as fsdp_resumed:
-        with in_dir(workdir):
-            train.main(RUN + [f"--out_dir={dirs['fsdp_3_single']}", *resume])
-        assert "the global batch of 8 sequences of 32 tokens is 4 on each of 2 processes" in finish(ddp, logs["ddp"])
-        finish(fsdp_resumed, logs["fsdp_3_fsdp"])
-    with torchrun(workdir, dirs["single_3_fsdp"], logs["single_3_fsdp"], *resume, "--fsdp=True") as proc, \
-            torchrun(workdir, dirs["fsdp_3_ddp"], logs["fsdp_3_ddp"], *resume) as ddp_resumed:
-        finish(proc, logs["single_3_fsdp"])
-        finish(ddp_resumed, logs["fsdp_3_ddp"])
-    with torchrun(workdir, dirs["fsdp_3_fsdp_ac"], logs["fsdp_3_fsdp_ac"], *resume, "--fsdp=True",
-                  "--activation_checkpointing=True") as proc:
-        finish(proc, logs["fsdp_3_fsdp_ac"])
-    return dirs
+def world(workdir, tmp_path_factory):
+    """The world (World), started here, and meanwhile in this process the one-process runs several tests compare
+    with: 6 iterations ("single") and 3 ("single_3", done first: the world resumes it under FSDP). Tests read its
+    runs, never write to them: one that continues a run copies it first."""
+    root = tmp_path_factory.mktemp("world")
+    (root / "done").mkdir()
+    for node in ("node0", "node1"):  # the data on each node (world_jobs' "nodes")
+        shutil.copytree(workdir / "data", root / "nodes" / node / "data")
+    (root / "file.bin").write_bytes(os.urandom(2500))  # for send_a_file
+    one_process_run(workdir, root / "single_3", "--max_iters=3")
+    script = root / "world.py"
+    script.write_text(WORLD.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    log_path = str(root / "world.txt")
+    with in_background([*TORCHRUN, str(script), str(root), str(workdir)], root, log_path) as proc:
+        one_process_run(workdir, root / "single", "--max_iters=6")
+        yield World(proc, str(root), log_path)
+        if proc.poll() is None:  # jobs no test waited for (a selection of tests): torchrun stops its processes
+            proc.terminate()  # on SIGTERM (killing the launcher would leave them running)
+            proc.wait(timeout=60)
 
 
-def test_fsdp_ddp_and_one_process_train_the_same_model(runs):
+def test_fsdp_ddp_and_one_process_train_the_same_model(world):
     """The same global batch (2 processes x 1 micro-step, or 1 x 2; DDP's split from one micro-step), the same losses
     and final weights within 1e-5 (fp32; the sums run in another order). Measured: 7.3e-6 at most in the weights
     after 6 AdamW steps."""
-    assert_same_run(runs["fsdp"], runs["single"], 1e-5)
-    assert_same_run(runs["ddp"], runs["single"], 1e-5)
+    assert "2 process(es) on cpu" in world.result("fsdp")[0]
+    assert "the global batch of 8 sequences of 32 tokens is 4 on each of 2 processes" in world.result("ddp")[0]
+    assert_same_run(world.out_dir("fsdp"), world.out_dir("single"), 1e-5)
+    assert_same_run(world.out_dir("ddp"), world.out_dir("single"), 1e-5)
 
 
-def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(workdir, tmp_path):
+def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(world, workdir, tmp_path):
     """optimizer=muon with fsdp=True (gpt.parallel.ShardedMuon: each matrix orthogonalized whole by one rank): 3
     iterations, resumed to 6 under FSDP, give one process's 6 iterations with gpt.muon.Muon: the same losses within
     1e-5, so its state saves and loads as Muon's. Gradient norms and weights within 1e-3 only: where Newton-Schulz
     runs in bfloat16 (torch's choice), gradients summed in another order can round an update element to the next
     bfloat16 (measured: 5.7e-6 in the losses, 1.0e-4 in a gradient norm, 1.9e-4 in the weights; DDP with
     torch.optim.Muon differs from one process as much)."""
-    muon, dirs = ["--optimizer=muon"], {name: str(tmp_path / name) for name in ("single", "fsdp")}
-    with torchrun(workdir, dirs["fsdp"], str(tmp_path / "fsdp.txt"), "--max_iters=3", "--fsdp=True", *muon) as proc:
-        with in_dir(workdir):
-            train.main(RUN + [f"--out_dir={dirs['single']}", "--max_iters=6", *muon])
-        finish(proc, str(tmp_path / "fsdp.txt"))
-    with torchrun(workdir, dirs["fsdp"], str(tmp_path / "resumed.txt"), "--max_iters=6", "--fsdp=True",
-                  "--init_from=resume", *muon) as proc:
-        finish(proc, str(tmp_path / "resumed.txt"))
-    got, expected = records(dirs["fsdp"]), records(dirs["single"])
+    single = one_process_run(workdir, tmp_path / "single", "--max_iters=6", *MUON)
+    fsdp = world.out_dir("muon_fsdp")  # its 3 iterations, then their resume to 6
+    got, expected = records(fsdp), records(single)
     assert [r["iter"] for r in got] == [r["iter"] for r in expected]
     for g, e in zip(got, expected):
         for key, tolerance in (("loss", 1e-5), ("train_loss", 1e-5), ("val_loss", 1e-5), ("grad_norm", 1e-3)):
             if key in e:
                 assert abs(g[key] - e[key]) < tolerance, (key, g, e)
-    got_model, expected_model = load_ckpt(dirs["fsdp"])["model"], load_ckpt(dirs["single"])["model"]
+    got_model, expected_model = load_ckpt(fsdp)["model"], load_ckpt(single)["model"]
     for name, weight in expected_model.items():
         torch.testing.assert_close(got_model[name], weight, atol=1e-3, rtol=0, msg=name)
 
 
-SHARDED_MUON = """
-import copy, sys, torch, torch.distributed as dist, torch.optim._muon as torch_muon
-sys.path.insert(0, ROOT)
-from torch.distributed.fsdp import fully_shard
-from gpt import muon
-from gpt.parallel import ShardedMuon
-dist.init_process_group("gloo")
-calls = []
-for module, name in ((torch_muon, "_zeropower_via_newtonschulz"), (muon, "orthogonalize")):  # torch's and ours
-    setattr(module, name, lambda *args, f=getattr(module, name): calls.append(args[0].shape) or f(*args))
-muon.orthogonalize_dtype = lambda device: "bfloat16"  # as torch's Muon, not a CPU's float32
-torch.manual_seed(0)
-shapes = [(8, 6), (6, 5), (5, 4)]  # rows 8, 6 and 5: 5 splits unevenly (3 and 2)
-sharded = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out, bias=False) for n_out, n_in in shapes[::-1]])
-whole = copy.deepcopy(sharded)
-fully_shard(sharded)
-x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
-optimizers = [ShardedMuon(sharded.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw"),
-              torch.optim.Muon(whole.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw")]
-for step in range(2):
-    for model, optimizer in zip((sharded, whole), optimizers):
-        model(x).square().sum().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-differences = [(p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(), whole.parameters())]
-lines = [None, None]  # gathered to rank 0, which prints both: two processes' prints would interleave
-dist.all_gather_object(lines, f"rank {dist.get_rank()} orthogonalized {len(calls)} max difference {max(differences)}")
-if dist.get_rank() == 0:
-    print("\\n".join(lines), flush=True)
-dist.destroy_process_group()
-"""
+def sharded_muon_steps(rank):
+    """The world's job for the test below: this rank's count of orthogonalizations and the largest difference from
+    torch's Muon, in a line."""
+    import torch.optim._muon as torch_muon
+    from torch.distributed.fsdp import fully_shard
+
+    from gpt import muon
+    from gpt.parallel import ShardedMuon
+
+    calls = []
+    with pytest.MonkeyPatch.context() as patch, torchrun_group():
+        for module, name in ((torch_muon, "_zeropower_via_newtonschulz"), (muon, "orthogonalize")):  # torch's, ours
+            patch.setattr(module, name, lambda *args, f=getattr(module, name): calls.append(args[0].shape) or f(*args))
+        patch.setattr(muon, "orthogonalize_dtype", lambda device: "bfloat16")  # as torch's Muon, not a CPU's float32
+        torch.manual_seed(0)
+        shapes = [(8, 6), (6, 5), (5, 4)]  # rows 8, 6 and 5: 5 splits unevenly (3 and 2)
+        sharded = torch.nn.Sequential(*[torch.nn.Linear(n_in, n_out, bias=False) for n_out, n_in in shapes[::-1]])
+        whole = copy.deepcopy(sharded)
+        fully_shard(sharded)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
+        optimizers = [ShardedMuon(sharded.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw"),
+                      torch.optim.Muon(whole.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw")]
+        for step in range(2):
+            for model, optimizer in zip((sharded, whole), optimizers):
+                model(x).square().sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        differences = [(p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(),
+                                                                              whole.parameters())]
+        del sharded, optimizers  # before the group: see train.main
+    return f"rank {rank} orthogonalized {len(calls)} max difference {max(differences)}"
 
 
-def test_sharded_muon_orthogonalizes_each_matrix_once_on_its_owner_and_steps_as_muon(tmp_path):
+def test_sharded_muon_orthogonalizes_each_matrix_once_on_its_owner_and_steps_as_muon(world):
     """gpt.parallel.ShardedMuon on 2 processes: each step, rank 0 orthogonalizes 2 of the 3 matrices and rank 1 the
     other (torch.optim.Muon on the whole model, run beside it in each process, adds 3 a step), and the parameters
     equal that whole model's exactly after 2 steps (the same bfloat16 arithmetic on the same whole matrices)."""
-    script = tmp_path / "sharded_muon.py"
-    script.write_text(f"ROOT = {ROOT!r}\n" + SHARDED_MUON)
-    result = subprocess.run([*TORCHRUN, str(script)], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank"))
-    assert lines == ["rank 0 orthogonalized 10 max difference 0.0",  # (2 owned + 3 whole) x 2 steps
-                     "rank 1 orthogonalized 8 max difference 0.0"], result.stdout + result.stderr  # (1 + 3) x 2
+    assert world.result("sharded_muon") == ["rank 0 orthogonalized 10 max difference 0.0",  # (2 owned + 3 whole) x 2
+                                            "rank 1 orthogonalized 8 max difference 0.0"]  # (1 + 3) x 2
 
 
-def test_an_fsdp_checkpoint_is_todays_ckpt_pt(runs):
+def test_an_fsdp_checkpoint_is_todays_ckpt_pt(world):
     """Gathered to rank 0: every tensor whole, keys and optimizer state in the format one process writes."""
-    fsdp, single = load_ckpt(runs["fsdp"]), load_ckpt(runs["single"])
+    fsdp, single = load_ckpt(world.out_dir("fsdp")), load_ckpt(world.out_dir("single"))
     assert {k: v.shape for k, v in fsdp["model"].items()} == {k: v.shape for k, v in single["model"].items()}
     for got, expected in zip(fsdp["optimizers"], single["optimizers"]):
         assert got["param_groups"] == expected["param_groups"]
@@ -188,101 +302,80 @@ def test_an_fsdp_checkpoint_is_todays_ckpt_pt(runs):
             torch.testing.assert_close(got["state"][i]["exp_avg_sq"], state["exp_avg_sq"], atol=1e-7, rtol=1e-3)
 
 
-def test_fsdp_resumes_exactly(runs):
+def test_fsdp_resumes_exactly(world):
     """3 + 3 iterations under FSDP equal 6 straight; the reductions run in the same order, so within 1e-6."""
-    assert_same_run(runs["fsdp_3_fsdp"], runs["fsdp"], 1e-6)
+    assert_same_run(world.out_dir("fsdp_3_fsdp"), world.out_dir("fsdp"), 1e-6)
 
 
-def test_fsdp_with_activation_checkpointing_resumes_and_trains_the_same_model(runs):
+def test_fsdp_with_activation_checkpointing_resumes_and_trains_the_same_model(world):
     """FSDP x2's 3 iterations resumed under FSDP x2 with activation checkpointing (each block in torch's
     CheckpointWrapper): the optimizer state loads by the parameters' state-dict names (without the wrapper's
     prefix), the recomputed blocks give the same losses, and its ckpt.pt has the same keys and weights as the
     uninterrupted run without checkpointing, within 1e-6."""
-    assert_same_run(runs["fsdp_3_fsdp_ac"], runs["fsdp"], 1e-6)
+    assert_same_run(world.out_dir("fsdp_3_fsdp_ac"), world.out_dir("fsdp"), 1e-6)
 
 
-def test_a_run_resumes_on_another_number_of_processes(runs):
+def test_a_run_resumes_on_another_number_of_processes(world, workdir, tmp_path):
     """FSDP x2 -> one process and one process -> FSDP x2 continue as the uninterrupted run within 1e-5: the data
     loader's position is converted to the new number of processes (the same global batches follow)."""
-    assert_same_run(runs["fsdp_3_single"], runs["single"], 1e-5)
-    assert_same_run(runs["single_3_fsdp"], runs["single"], 1e-5)
+    shutil.copytree(world.out_dir("fsdp_3"), tmp_path / "fsdp_3_single")
+    one_process_run(workdir, tmp_path / "fsdp_3_single", *RESUME)
+    assert_same_run(tmp_path / "fsdp_3_single", world.out_dir("single"), 1e-5)
+    assert_same_run(world.out_dir("single_3_fsdp"), world.out_dir("single"), 1e-5)
 
 
-def test_ddp_resumes_an_fsdp_checkpoint(runs):
+def test_ddp_resumes_an_fsdp_checkpoint(world):
     """FSDP x2 for 3 iterations, then DDP x2 to 6: the uninterrupted run within 1e-5 (the other way, FSDP from a
     checkpoint DDP or one process wrote, is the one-process -> FSDP case above: ckpt.pt has one format)."""
-    assert_same_run(runs["fsdp_3_ddp"], runs["single"], 1e-5)
+    assert_same_run(world.out_dir("fsdp_3_ddp"), world.out_dir("single"), 1e-5)
 
 
-ON_ITS_OWN_NODE = """import os, runpy, sys
-os.chdir(f"node{{os.environ['RANK']}}")  # each rank in a folder of its own: nodes that share no filesystem
-sys.path.insert(0, {root!r})
-sys.argv = [{train!r}] + sys.argv[1:]
-runpy.run_path({train!r}, run_name="__main__")
-"""
-
-
-def test_a_run_resumes_on_nodes_that_share_no_filesystem(runs, workdir, tmp_path):  # noqa: F811
+def test_a_run_resumes_on_nodes_that_share_no_filesystem(world):
     """Each rank runs in a folder of its own, with the data in both and ckpt.pt only where rank 0 wrote it. Rank 0
     reads it and sends it to the other: DDP x2 resumes FSDP's 3 iterations and continues as the uninterrupted run,
     and nothing is written on the other node."""
-    for node in ("node0", "node1"):
-        shutil.copytree(workdir / "data", tmp_path / node / "data")
-    shutil.copytree(runs["fsdp_3"], tmp_path / "node0" / "run")
-    script = tmp_path / "on_its_own_node.py"
-    script.write_text(ON_ITS_OWN_NODE.format(root=ROOT, train=TRAIN))
-    log = tmp_path / "log.txt"
-    with in_background([*TORCHRUN, str(script), *RUN, "--out_dir=run", "--max_iters=6", "--init_from=resume"],
-                       tmp_path, log) as proc:
-        finish(proc, log)
-    assert not (tmp_path / "node1" / "run").exists()
-    assert_same_run(tmp_path / "node0" / "run", runs["single"], 1e-5)
+    world.result("nodes")
+    nodes = os.path.join(world.root, "nodes")
+    assert not os.path.exists(os.path.join(nodes, "node1", "run"))
+    assert_same_run(os.path.join(nodes, "node0", "run"), world.out_dir("single"), 1e-5)
 
 
-SEND_A_FILE = r"""import os, sys, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from gpt import parallel
-parallel.BROADCAST_CHUNK = 1000
-sizes, broadcast = [], dist.broadcast
-dist.broadcast = lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src)
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-data = parallel.file_from_rank0(sys.argv[2] if rank == 0 else "no such file", "cpu")
-missing = parallel.file_from_rank0(os.path.join(sys.argv[3], "missing"), "cpu")
-with open(os.path.join(sys.argv[3], f"rank{rank}"), "wb") as f:
-    f.write(bytes(data))
-with open(os.path.join(sys.argv[3], f"rank{rank}.txt"), "w") as f:  # not stdout: the ranks' lines interleave
-    f.write(f"{sizes} {missing}")
-dist.destroy_process_group()
-"""
+def send_a_file(rank, path, out):
+    """The world's job for the test below: the file at path sent from rank 0 (to out/rank<r>) in chunks of 1000
+    bytes, and then a missing file; the sizes each broadcast carried and what the missing file gave."""
+    from gpt import parallel
+
+    sizes, broadcast = [], dist.broadcast
+    with pytest.MonkeyPatch.context() as patch, torchrun_group():
+        patch.setattr(parallel, "BROADCAST_CHUNK", 1000)
+        patch.setattr(dist, "broadcast", lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src))
+        data = parallel.file_from_rank0(path if rank == 0 else "no such file", "cpu")
+        missing = parallel.file_from_rank0(os.path.join(out, "missing"), "cpu")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}"), "wb") as f:
+        f.write(bytes(data))
+    return f"{sizes} {missing}"
 
 
-def test_a_file_goes_to_every_rank_in_chunks(tmp_path):
+def test_a_file_goes_to_every_rank_in_chunks(world):
     """Resuming on nodes without a shared filesystem, rank 0 sends ckpt.pt: in BROADCAST_CHUNK pieces (a GPU
     holds one piece, not the whole file), every rank ending with rank 0's bytes; a file rank 0 cannot read is None
     on every rank."""
-    file = tmp_path / "file.bin"
-    file.write_bytes(os.urandom(2500))
-    (tmp_path / "send.py").write_text(SEND_A_FILE)
-    result = subprocess.run([*TORCHRUN, str(tmp_path / "send.py"), ROOT, str(file), str(tmp_path)],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr
+    assert world.result("send_a_file") == ["[1, 1000, 1000, 500, 1] None"] * 2
+    with open(os.path.join(world.root, "file.bin"), "rb") as f:
+        sent = f.read()
     for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}").read_bytes() == file.read_bytes()
-        assert (tmp_path / f"rank{rank}.txt").read_text() == "[1, 1000, 1000, 500, 1] None"
+        with open(os.path.join(world.root, "sent", f"rank{rank}"), "rb") as f:
+            assert f.read() == sent
 
 
-def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(runs, workdir, tmp_path):
+def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(world, workdir, tmp_path):
     """The MixedPrecisionPolicy path CUDA takes (bf16 compute, fp32 gradient reduction), run with gloo: its losses
     follow one process under bf16 autocast within bf16's rounding, differ from the fp32 run by more than fp32's
     (so the blocks really computed in bf16), and ckpt.pt holds fp32 weights and AdamW state as ever."""
-    bf16 = ["--max_iters=6", "--dtype=bfloat16"]
-    fsdp_dir, single_dir = str(tmp_path / "fsdp"), str(tmp_path / "single")
-    with torchrun(workdir, fsdp_dir, str(tmp_path / "fsdp.txt"), *bf16, "--fsdp=True") as proc:
-        with in_dir(workdir):
-            train.main(RUN + [f"--out_dir={single_dir}", *bf16])
-        finish(proc, str(tmp_path / "fsdp.txt"))
-    fsdp, autocast, fp32 = records(fsdp_dir), records(single_dir), records(runs["single"])
+    single_dir = one_process_run(workdir, tmp_path / "single", *BF16)
+    fsdp_dir = world.out_dir("fsdp_bf16")
+    fsdp, autocast, fp32 = records(fsdp_dir), records(single_dir), records(world.out_dir("single"))
     assert [r["iter"] for r in fsdp] == [r["iter"] for r in autocast] == [r["iter"] for r in fp32]
     losses = [(f["loss"], a["loss"], p["loss"]) for f, a, p in zip(fsdp, autocast, fp32) if "loss" in f]
     assert all(abs(f - a) < 5e-3 for f, a, _ in losses), losses  # measured: 7e-4 at most
@@ -368,33 +461,24 @@ def test_a_resumed_fused_adamw_keeps_its_step_count_on_the_gpu():
                     dict(step="cuda", exp_avg="cuda", exp_avg_sq="cuda")
 
 
-FSDP_RESUMES_A_CPU_RUN = r"""import sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1]); sys.path.insert(0, sys.argv[1] + "/tests")
-import train
-from model import GPT
-from gpt.parallel import load_optimizer_states, shard
-from test_parallel import UNTIED, cpu_run_optimizer_states
-_, states, _ = cpu_run_optimizer_states()  # the same on both ranks
-dist.init_process_group("gloo")
-model = shard(GPT(UNTIED), torch.float32)
-optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cuda")
-load_optimizer_states(model, optimizers, states)
-with open(f"{sys.argv[2]}/rank{dist.get_rank()}", "w") as f:  # not stdout: the ranks' lines interleave
-    f.write(f"{[group['fused'] for group in optimizers[0].param_groups]} "
-            f"{all(len(optimizers[0].state[p]) == 3 for p in model.parameters())}")
-dist.destroy_process_group()
-"""
+def fsdp_resumes_a_cpu_run(rank):
+    """The world's job for the test below: the groups' fused flags after the load, and whether every parameter got
+    its 3 tensors of AdamW state."""
+    _, states, _ = cpu_run_optimizer_states()  # the same on both ranks
+    with torchrun_group():
+        model = shard(GPT(UNTIED), torch.float32)
+        optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cuda")
+        load_optimizer_states(model, optimizers, states)
+        result = (f"{[group['fused'] for group in optimizers[0].param_groups]} "
+                  f"{all(len(optimizers[0].state[p]) == 3 for p in model.parameters())}")
+        del model, optimizers  # before the group: see train.main
+    return result
 
 
-def test_fsdp_resumes_a_cpu_checkpoint_with_this_runs_optimizer_flags(tmp_path):
+def test_fsdp_resumes_a_cpu_checkpoint_with_this_runs_optimizer_flags(world):
     """The same under FSDP (set_optimizer_state_dict), 2 gloo processes: the groups keep the flags make_optimizers
     set, and every parameter's moments are loaded."""
-    (tmp_path / "resume.py").write_text(FSDP_RESUMES_A_CPU_RUN)
-    result = subprocess.run([*TORCHRUN, str(tmp_path / "resume.py"), ROOT, str(tmp_path)], capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr
-    for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}").read_text() == "[True, True] True"
+    assert world.result("fsdp_resumes_a_cpu_run") == ["[True, True] True"] * 2
 
 
 def test_optimizer_state_names_and_numbers_convert_both_ways():
@@ -465,47 +549,40 @@ def test_activation_checkpointing_keeps_a_plain_gpts_state_dict():
         plain.load_state_dict(full_model_state(sharded))
 
 
-FSDP_AC_LOADS_AN_OPTIMIZER_STATE = r"""import copy, sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from model import GPT, GPTConfig
-from gpt.parallel import checkpoint_blocks, full_optimizer_states, load_optimizer_states, shard
-config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_kv_head=1, n_embd=16)
-torch.manual_seed(0)  # the same saved run on both ranks: one AdamW step of a plain GPT
-saved = GPT(config)
-optimizer = torch.optim.AdamW(saved.parameters())
-idx = torch.randint(0, 64, (2, 8))
-saved(idx, idx)[1].backward()
-optimizer.step()
-states = [optimizer.state_dict()]
-dist.init_process_group("gloo")
-model = GPT(config)
-model.load_state_dict(saved.state_dict())
-checkpoint_blocks(model)
-shard(model, torch.float32)
-optimizers = [torch.optim.AdamW(model.parameters())]
-load_optimizer_states(model, optimizers, copy.deepcopy(states))
-loaded = full_optimizer_states(model, optimizers)[0]  # gathered back to rank 0
-if dist.get_rank() == 0:
+def fsdp_ac_loads_an_optimizer_state(rank):
+    """The world's job for the test below: on rank 0, whether the optimizer state gathered back after the load is
+    the saved one."""
+    torch.manual_seed(0)  # the same saved run on both ranks: one AdamW step of a plain GPT
+    saved = GPT(TINY_CONFIG)
+    optimizer = torch.optim.AdamW(saved.parameters())
+    idx = torch.randint(0, 64, (2, 8))
+    saved(idx, idx)[1].backward()
+    optimizer.step()
+    states = [optimizer.state_dict()]
+    with torchrun_group():
+        model = GPT(TINY_CONFIG)
+        model.load_state_dict(saved.state_dict())
+        checkpoint_blocks(model)
+        shard(model, torch.float32)
+        optimizers = [torch.optim.AdamW(model.parameters())]
+        load_optimizer_states(model, optimizers, copy.deepcopy(states))
+        loaded = full_optimizer_states(model, optimizers)[0]  # gathered back to rank 0
+        del model, optimizers  # before the group: see train.main
+    if rank != 0:
+        return ""
     same = set(loaded["state"]) == set(states[0]["state"]) and all(
         torch.equal(loaded["state"][i][key], state[key]) for i, state in states[0]["state"].items()
         for key in ("exp_avg", "exp_avg_sq"))
-    with open(sys.argv[2], "w") as f:
-        f.write(f"{same}")
-dist.destroy_process_group()
-"""
+    return f"{same}"
 
 
-def test_fsdp_with_activation_checkpointing_loads_a_plain_runs_optimizer_state(tmp_path):
+def test_fsdp_with_activation_checkpointing_loads_a_plain_runs_optimizer_state(world):
     """2 gloo processes: the optimizer state goes in by the parameters' names as the state dict has them, while
     named_parameters() of a checkpointed model holds the wrapper's prefix (layers.0._checkpoint_wrapped_module...),
     which torch.distributed.checkpoint leaves out. Every parameter gets its saved moments back, each rank its shard.
-    (Processes of its own: in this one, after test_fsdp_under_gloo_shards_on_the_cpu_where_torch_has_cuda,
+    (In the world's processes, not this one: here, after test_fsdp_under_gloo_shards_on_the_cpu_where_torch_has_cuda,
     shard() got a mesh naming a group of that test's destroyed process group, and loading failed to resolve it.)"""
-    (tmp_path / "load.py").write_text(FSDP_AC_LOADS_AN_OPTIMIZER_STATE)
-    result = subprocess.run([*TORCHRUN, str(tmp_path / "load.py"), ROOT, str(tmp_path / "result")],
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr
-    assert (tmp_path / "result").read_text() == "True"
+    assert world.result("fsdp_ac_loads_an_optimizer_state")[0] == "True"
 
 
 def forward_replaced(model):
@@ -544,37 +621,27 @@ def test_nothing_replaces_a_modules_forward(fsdp):
     assert graphs and all(checkpointed in [node.target for node in graph.graph.nodes] for graph in graphs), graphs
 
 
-BYTES_PER_PROCESS = r"""
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {root!r})
-from model import GPT, GPTConfig
-from gpt.parallel import shard, wrap_ddp
-dist.init_process_group("gloo")
-torch.manual_seed(0)
-model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
-model = shard(model, torch.float32) if sys.argv[1] == "fsdp" else wrap_ddp(model, "cpu")
-optimizer = torch.optim.AdamW(model.parameters())
-model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))[1].backward()
-optimizer.step()
-local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
-tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-os.write(1, f"{{sum(local(t).numel() * local(t).element_size() for t in tensors)}}\n".encode())  # one write
-del model, optimizer, tensors  # before the group: see train.main
-dist.destroy_process_group()
-"""
+def bytes_per_process(mode):
+    """The world's job for the test below: the bytes of this process's parameters, gradients and AdamW state after a
+    step of a model under mode, ddp or fsdp."""
+    with torchrun_group():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=64))
+        model = shard(model, torch.float32) if mode == "fsdp" else wrap_ddp(model, "cpu")
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16)))[1].backward()
+        optimizer.step()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        total = sum(local(t).numel() * local(t).element_size() for t in tensors)
+        del model, optimizer, tensors  # before the group: see train.main
+    return f"{total}"
 
 
-def test_fsdp_holds_about_half_of_ddps_bytes_per_process(tmp_path):
+def test_fsdp_holds_about_half_of_ddps_bytes_per_process(world):
     """Parameters, gradients and AdamW state on each of 2 processes: all of them under DDP, half under FSDP."""
-    script = tmp_path / "bytes.py"
-    script.write_text(BYTES_PER_PROCESS.format(root=ROOT))
-    per_process = {}
-    for mode in ("ddp", "fsdp"):
-        result = subprocess.run([*TORCHRUN, str(script), mode], capture_output=True, text=True, timeout=300,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert result.returncode == 0, result.stderr
-        per_process[mode] = [int(line) for line in result.stdout.split()]
+    per_process = {mode: [int(n) for n in world.result(f"bytes_{mode}")] for mode in ("ddp", "fsdp")}
     print(f"bytes per process: DDP {per_process['ddp']}, FSDP {per_process['fsdp']}")
     assert len(per_process["ddp"]) == len(per_process["fsdp"]) == 2
     for ddp, fsdp in zip(per_process["ddp"], per_process["fsdp"]):
@@ -586,8 +653,8 @@ def test_fsdp_holds_about_half_of_ddps_bytes_per_process(tmp_path):
 
 
 def test_fsdp_without_torchrun_is_a_one_line_error(workdir, tmp_path):
-    result = subprocess.run([sys.executable, TRAIN, *RUN, f"--out_dir={tmp_path}", "--fsdp=True"], cwd=workdir,
-                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    """`python train.py ... --fsdp=True` (run in this process: run_script)."""
+    result = run_script(TRAIN, [*RUN, f"--out_dir={tmp_path}", "--fsdp=True"], workdir)
     assert_one_line_error(result, "torchrun", "--nproc_per_node")
     assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
 
@@ -603,11 +670,14 @@ def test_float16_with_fsdp_is_refused_naming_a_dtype_the_card_runs():
 def torchrun_errors(workdir, out_dir, processes, device):
     """The "error: " lines of a torchrun train.py run that must fail before its process group starts."""
     args = [a for a in TINY if not a.startswith("--device")] + [f"--device={device}", f"--out_dir={out_dir}"]
-    # torchrun stops the other processes at its first look after one fails (every 0.1 s by default): a process still
-    # importing torch under load was stopped before its line (a suite run saw one line of two); every 10 s instead
-    monitor = "--monitor-interval=10"
-    result = subprocess.run([*TORCHRUN[:-1], monitor, f"--nproc_per_node={processes}", TRAIN, *args], cwd=workdir,
-                            capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    # torchrun stops the other processes at its first look after one fails (every 0.1 s): a process still importing
+    # torch under load was stopped before its line (a suite run saw one line of two). Started by sh with SIGTERM
+    # ignored (exec keeps that, and Python leaves it so), each ends on its own instead, its line said, and torchrun
+    # then ends the run; one left waiting for the others would be killed 30 s on (torchrun's SIGKILL), its line missing
+    ignoring_sigterm = ["--no-python", "sh", "-c", 'trap "" TERM; exec "$0" "$@"', sys.executable]
+    result = subprocess.run([*TORCHRUN[:-1], f"--nproc_per_node={processes}", *ignoring_sigterm, TRAIN, *args],
+                            cwd=workdir, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode != 0
     # the processes share one stderr, where under load one's line can run into another's before its newline
     return re.findall(r"error: .*?(?=error: |$)", result.stderr, flags=re.M), result.stderr
@@ -630,13 +700,22 @@ def test_torchrun_on_mps_is_one_line_on_every_rank(workdir, tmp_path):  # noqa: 
                                     for e in errors), output
 
 
-def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(workdir, tmp_path):
-    """3 micro-steps of 4 sequences: 6 a process, more than one micro-step holds, in steps that 2 do not divide."""
-    result = subprocess.run([*TORCHRUN, TRAIN, *TINY, *TWO_PROCESSES, f"--out_dir={tmp_path}",
-                             "--gradient_accumulation_steps=3"],
-                            cwd=workdir, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors and "--gradient_accumulation_steps=4" in errors[0], result.stderr
-    assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
+def accumulation_that_does_not_divide(workdir, out_dir):
+    """The world's job for the test below: `torchrun ... train.py` with 3 micro-steps, as run_script runs it in this
+    process: its exit status and stderr, in lines."""
+    result = run_script(TRAIN, [*TINY, *TWO_PROCESSES, f"--out_dir={out_dir}", "--gradient_accumulation_steps=3"],
+                        workdir)
+    if dist.is_initialized():  # refused after the process group started, which the process's exit would end
+        dist.destroy_process_group()
+    return f"{result.returncode}\n{result.stderr}"
+
+
+def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(world):
+    """3 micro-steps of 4 sequences: 6 a process, more than one micro-step holds, in steps that 2 do not divide. Each
+    process exits with the line (train.py as torchrun starts it, in the world's processes: run_script)."""
+    for result in world.result("accumulation"):
+        status, stderr = result.split("\n", 1)
+        assert status != "0"
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert errors and "--gradient_accumulation_steps=4" in errors[0], stderr
+    assert not os.path.exists(os.path.join(world.root, "accumulation", "ckpt.pt"))
