@@ -10,7 +10,6 @@ import json
 import os
 
 import numpy as np
-import torch
 
 from gpt import UserError
 
@@ -101,6 +100,7 @@ class ShardLoader:
         self.shards = [read_shard(p) for p in self.paths]
         self.batch_size, self.window_len = batch_size, block_size + 1
         self.seed, self.rank, self.world_size = seed, rank, world_size
+        import torch  # here, not at the top: the prepare scripts read this file's constants and start without torch
         self.device = torch.device(device)
         # windows per shard and epoch: all that fit, less one when there are several (room to shift the grid)
         fits = [len(s) // self.window_len for s in self.shards]
@@ -153,6 +153,7 @@ class ShardLoader:
 
     def next_batch(self):
         """x, y: int64 tensors of shape (batch_size, block_size) on the device; y is x shifted by one token."""
+        import torch
         windows = np.stack([self._next_window() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T+1)
         x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
         if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
