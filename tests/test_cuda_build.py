@@ -64,20 +64,45 @@ def pytest_collection_modifyitems(config, items):
 '''
 
 
-@pytest.mark.parametrize("gpus", [1, 0], ids=["one_gpu", "no_gpu"])
-def test_the_fake_cuda_tests_skip_on_a_cuda_build(tmp_path, gpus):
+GPUS = {"one_gpu": 1, "no_gpu": 0}
+
+
+@pytest.fixture(scope="module")
+def emulated_runs(tmp_path_factory):
+    """The pytest run of each case of GPUS, side by side (each costs seconds), skipping the cases a torch built with
+    CUDA cannot emulate: {gpus: (its output, its JUnit XML report)}."""
+    folder = tmp_path_factory.mktemp("emulated")
+    (folder / "emulate_cuda_build.py").write_text(PLUGIN)
+    runs = {}
+    for gpus in GPUS.values():
+        if torch.backends.cuda.is_built() and gpus != 1:
+            continue
+        env = {name: value for name, value in os.environ.items() if name != "FAKE_CUDA"}
+        env.update(EMULATED_CUDA_GPUS=str(gpus), OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+        report = folder / f"report-{gpus}.xml"
+        runs[gpus] = report, subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "emulate_cuda_build", "-p", "no:cacheprovider", "-rs",
+             f"--junitxml={report}", "tests/test_fake_cuda.py", "tests/test_gpu_check.py"],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        outputs = {gpus: proc.communicate(timeout=600) for gpus, (_, proc) in runs.items()}
+        return {gpus: (subprocess.CompletedProcess(proc.args, proc.returncode, *outputs[gpus]), report)
+                for gpus, (report, proc) in runs.items()}
+    finally:
+        for _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("gpus", GPUS.values(), ids=GPUS.keys())
+def test_the_fake_cuda_tests_skip_on_a_cuda_build(emulated_runs, gpus):
     """One GPU: the tests' runs would go on, on the GPU. None (a CUDA wheel on a CPU machine, pip's default on
     Linux): _lazy_init fails with "Found no NVIDIA driver" instead of the AssertionError the tests expect."""
     if torch.backends.cuda.is_built() and gpus != 1:
         pytest.skip(f"this torch is built with CUDA: nothing is emulated, the {gpus}-GPU case would rerun the real one")
-    (tmp_path / "emulate_cuda_build.py").write_text(PLUGIN)
-    report = tmp_path / "report.xml"
-    env = {name: value for name, value in os.environ.items() if name != "FAKE_CUDA"}
-    env.update(EMULATED_CUDA_GPUS=str(gpus), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "emulate_cuda_build", "-p", "no:cacheprovider",
-                             "-rs", f"--junitxml={report}", "tests/test_fake_cuda.py", "tests/test_gpu_check.py"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result, report = emulated_runs[gpus]
     output = result.stdout + result.stderr
     assert result.returncode == 0, output  # 0: every test collected passed or skipped
     cases = {}

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from data.shakespeare import prepare as shakespeare
+from data.shakespeare_char import prepare as shakespeare_char
 from gpt import UserError
 from gpt.files import atomic_open
 from gpt.prepare import write_meta, write_shard
@@ -100,24 +101,33 @@ def test_reads_hand_made_llmc_shard(tmp_path):
 
 
 # --- the Shakespeare prepare scripts ---
+# Their main() runs in this process where a test is about what they write; their processes run where it is about the
+# process: its one-line errors, a full disk (a limit on the process), the command a missing dataset names, and
+# tests/test_offline.py's offline run of data/shakespeare/prepare.py.
 
-def test_shakespeare_char_prepare(tmp_path):
-    result = run_script("data/shakespeare_char/prepare.py", "--out_dir", str(tmp_path))
-    assert result.returncode == 0, result.stderr
+
+@pytest.fixture(scope="module")
+def char_prepared(tmp_path_factory):
+    """A folder that data/shakespeare_char/prepare.py prepared; the tests only read it."""
+    folder = tmp_path_factory.mktemp("shakespeare_char")
+    shakespeare_char.main(["--out_dir", str(folder)])
+    return folder
+
+
+def test_shakespeare_char_prepare(char_prepared):
     text = open(TEXT_PATH, encoding="utf-8").read()
-    meta = json.loads((tmp_path / "meta.json").read_text())
+    meta = json.loads((char_prepared / "meta.json").read_text())
     assert meta["tokenizer"] == "char" and meta["vocab_size"] == 65 == len(meta["chars"])
     assert meta["chars"] == sorted(set(text))
     n_train = len(text) * 9 // 10
-    (train,), (val,) = split_tokens(tmp_path, "train"), split_tokens(tmp_path, "val")
+    (train,), (val,) = split_tokens(char_prepared, "train"), split_tokens(char_prepared, "val")
     assert (len(train), len(val)) == (n_train, len(text) - n_train)
     decode = lambda ids: "".join(meta["chars"][i] for i in ids)
     assert decode(train) + decode(val) == text
 
 
 def test_shakespeare_bpe_prepare(tmp_path):
-    result = run_script("data/shakespeare/prepare.py", "--out_dir", str(tmp_path))
-    assert result.returncode == 0, result.stderr
+    shakespeare.main(["--out_dir", str(tmp_path)])
     text = open(TEXT_PATH, encoding="utf-8").read()
     enc, n_train = named_encoding("gpt2"), len(text) * 9 // 10
     (train,), (val,) = split_tokens(tmp_path, "train"), split_tokens(tmp_path, "val")
@@ -137,15 +147,14 @@ def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     assert not os.path.exists(tmp_path / "input.txt")
 
 
-def test_shakespeare_prepare_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_completes(tmp_path):
+def test_shakespeare_prepare_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_completes(tmp_path, char_prepared):
     out = tmp_path / "out"
     result = run_script("data/shakespeare_char/prepare.py", "--out_dir", str(out), max_file_bytes=500_000)
     line = assert_user_error(result)  # the train shard (2 MB) does not fit
     assert f"{out / 'shakespeare_char_train_000000.bin'} (File too large)" in line and "no partial file" in line
     assert os.listdir(out) == []  # no partial shard, no temp file
-    assert run_script("data/shakespeare_char/prepare.py", "--out_dir", str(out)).returncode == 0
-    assert run_script("data/shakespeare_char/prepare.py", "--out_dir", str(tmp_path / "whole")).returncode == 0
-    assert same_files(out, tmp_path / "whole")
+    shakespeare_char.main(["--out_dir", str(out)])  # the rerun, with room on the disk
+    assert same_files(out, char_prepared)  # as a run that never failed
 
 
 # --- the web-scale prepare pipeline, on local files ---

@@ -2,9 +2,11 @@
 sliding window where the text fits one block (test_harness.py checks it token by token past that), the command
 line and its one-line errors, and lm-eval tasks run during training."""
 
+import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -82,11 +84,19 @@ def test_sliding_window_equals_full_context_when_the_text_fits_one_block(stride,
 
 
 @pytest.fixture(scope="module")
-def bpe_run(tmp_path_factory, device):
-    """A working directory with data/shakespeare (GPT-2 BPE) and a tiny model trained on it for 4 iterations
-    in out/, evaluated (and checkpointed) at iteration 4."""
+def bpe_data(tmp_path_factory):
+    """A working directory with data/shakespeare (GPT-2 BPE)."""
     work = tmp_path_factory.mktemp("work")
     prepare_bpe.main(["--out_dir", str(work / "data" / "shakespeare")])
+    return work
+
+
+@pytest.fixture(scope="module")
+def bpe_run(bpe_data, device):
+    """bpe_data's working directory with a tiny model trained on it for 4 iterations in out/, evaluated (and
+    checkpointed) at iteration 4, and an empty.txt. The tests only read it."""
+    work = bpe_data
+    (work / "empty.txt").write_text("")
     cwd = os.getcwd()
     os.chdir(work)
     try:
@@ -98,17 +108,19 @@ def bpe_run(tmp_path_factory, device):
     return work
 
 
-def run_eval(cwd, *args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "eval.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+def run_eval(cwd, monkeypatch, *args):
+    """eval.main(args) in cwd, in this process: these tests are about its figures, not its process (test_bad_input's
+    runs are)."""
+    monkeypatch.chdir(cwd)
+    evaluate.main(list(args))
 
 
-def test_val_split_figures_go_to_stdout_and_json(bpe_run, device):
-    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=500", "--out_json=figures.json", f"--device={device}")
-    assert result.returncode == 0, result.stderr
-    figures = json.loads((bpe_run / "figures.json").read_text())["text"]
+def test_val_split_figures_go_to_stdout_and_json(bpe_run, tmp_path, monkeypatch, capsys, device):
+    run_eval(bpe_run, monkeypatch, "--out_dir=out", "--max_tokens=500", f"--out_json={tmp_path / 'figures.json'}",
+             f"--device={device}")
+    figures = json.loads((tmp_path / "figures.json").read_text())["text"]
     assert figures["source"] == "data/shakespeare val split" and figures["tokens"] == 500
-    assert f"{figures['bits_per_byte']:.4f} bits per byte" in result.stdout
+    assert f"{figures['bits_per_byte']:.4f} bits per byte" in capsys.readouterr().out
     # the same figure by hand: the model of the checkpoint on the first 501 val tokens, in windows of 32 + 1
     from gpt.checkpoint import load_model
     from gpt.shards import find_shards, read_shard
@@ -122,17 +134,16 @@ def test_val_split_figures_go_to_stdout_and_json(bpe_run, device):
     assert first_32["loss"] * 32 == pytest.approx(nats, rel=1e-5)
 
 
-def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run):
+def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run, tmp_path, monkeypatch):
     """--dtype=bfloat16 (auto's choice on CUDA): float32 weights and residual stream, the matrix products in bfloat16
     under autocast, as train.py's val loss is computed; not the model cast to bfloat16 whole, whose figure was
     comparable with neither. The CPU's autocast stands in for the GPU's."""
     from gpt.checkpoint import load_model
     from gpt.shards import find_shards, read_shard
 
-    result = run_eval(bpe_run, "--out_dir=out", "--max_tokens=200", "--dtype=bfloat16", "--device=cpu",
-                      "--out_json=bf16.json")
-    assert result.returncode == 0, result.stderr
-    figures = json.loads((bpe_run / "bf16.json").read_text())["text"]
+    run_eval(bpe_run, monkeypatch, "--out_dir=out", "--max_tokens=200", "--dtype=bfloat16", "--device=cpu",
+             f"--out_json={tmp_path / 'bf16.json'}")
+    figures = json.loads((tmp_path / "bf16.json").read_text())["text"]
     model, meta = load_model(str(bpe_run / "out"), "cpu")
     tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:201]]
     lengths = Tokenizer(meta).byte_lengths()
@@ -143,30 +154,52 @@ def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run):
     assert figures["loss"] != pytest.approx(float32["loss"], rel=1e-6)  # autocast was on
 
 
-@pytest.mark.parametrize("args, needle", [
+BAD_INPUT = [
     (["--out_dir=nowhere"], "no checkpoint at nowhere"),
     (["--out_dir=out", "--text=missing.txt"], "cannot read --text missing.txt"),
     (["--out_dir=out", "--text=empty.txt"], "--text empty.txt is empty"),
     (["--out_dir=out", "--tasks=hellaswag", "--limit=0"], "limit must be a positive"),
     (["--out_dir=out", "--stride=-1"], "stride must be"),
     (["--init_from=hf:nowhere"], "nowhere"),
-])
-def test_bad_input_is_a_one_line_error(bpe_run, args, needle):
-    (bpe_run / "empty.txt").write_text("")
-    result = run_eval(bpe_run, *args)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(bpe_run):
+    """eval.py's process for each of BAD_INPUT in bpe_run, run side by side (each start costs seconds):
+    {tuple(args): CompletedProcess}."""
+    procs = {tuple(args): subprocess.Popen([sys.executable, os.path.join(ROOT, "eval.py"), *args], cwd=bpe_run,
+                                           text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+             for args, _ in BAD_INPUT}
+    try:
+        outputs = {args: proc.communicate(timeout=300) for args, proc in procs.items()}
+        return {args: subprocess.CompletedProcess(proc.args, proc.returncode, *outputs[args])
+                for args, proc in procs.items()}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("args, needle", BAD_INPUT)
+def test_bad_input_is_a_one_line_error(bad_input_runs, args, needle):
+    result = bad_input_runs[tuple(args)]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
 
 
-def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, monkeypatch, device):
+def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, tmp_path, monkeypatch, device):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
     monkeypatch.setitem(sys.modules, "harness", None)
     monkeypatch.chdir(bpe_run)
     with pytest.raises(UserError, match="pip install lm-eval"):
         evaluate.main(["--out_dir=out", "--tasks=hellaswag"])
     with pytest.raises(UserError, match="pip install lm-eval"):
-        train.main(["--dataset=shakespeare", "--out_dir=out2", "--eval_tasks=hellaswag", f"--device={device}"])
+        train.main(["--dataset=shakespeare", f"--out_dir={tmp_path / 'out2'}", "--eval_tasks=hellaswag",
+                    f"--device={device}"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -204,6 +237,14 @@ metric_list:
 """
 
 
+@pytest.fixture
+def no_env_report(monkeypatch):
+    """lm-eval's simple_evaluate adds a report of the machine to its results (torch's collect_env, which runs `pip
+    list` in a subprocess: over a second per call, one per evaluation); no test reads it, so it is left out here."""
+    lm_eval_evaluator = pytest.importorskip("lm_eval.evaluator")
+    monkeypatch.setattr(lm_eval_evaluator, "add_env_info", lambda results: None)
+
+
 def write_local_tasks(folder):
     """tiny_choice (multiple choice) and tiny_text (rolling log-likelihood), as YAML and JSONL files in folder."""
     questions = [("The king said", [" yes", " no", " Rome"], 0), ("My lord,", [" I", " thee", " we"], 1),
@@ -216,7 +257,7 @@ def write_local_tasks(folder):
     (folder / "text.yaml").write_text(ROLLING_TASK.format(data=folder / "text.jsonl"))
 
 
-def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path, device):
+def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run, tmp_path, device, no_env_report):
     pytest.importorskip("lm_eval")
     from gpt import harness
 
@@ -246,27 +287,54 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
                                                                  rel=1e-6)
 
 
-def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(bpe_run, tmp_path):
-    """Under DDP and under FSDP (where the engine's scorers need the root's sharded parameters gathered): both log
-    every evaluation, with the same figures (the same model trained the same way). On the CPU (gloo) whatever
-    TEST_DEVICE: two processes would need two GPUs."""
-    pytest.importorskip("lm_eval")
-    write_local_tasks(tmp_path)
+TORCHRUN_TEST = "test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torchrun_worlds(request, tmp_path_factory):
+    """train.py with eval_tasks under torchrun on two processes, under DDP and under FSDP, each for 2 iterations
+    evaluated at 0 and 2: {mode: (process, its out_dir)}. Started at the module's start, where TORCHRUN_TEST is to run
+    (None elsewhere), and left to run in the background until that test waits for them: their six processes' start
+    (seconds each) overlaps the module's other tests, which run on one thread. At a lower priority (nice 10), they take
+    the CPU those tests leave free rather than slow them. On the CPU (gloo) whatever TEST_DEVICE: two processes would
+    need two GPUs."""
+    if importlib.util.find_spec("lm_eval") is None or not any(
+            item.module is request.module and item.originalname == TORCHRUN_TEST for item in request.session.items):
+        yield None
+        return
+    work, folder = request.getfixturevalue("bpe_data"), tmp_path_factory.mktemp("torchrun")
+    write_local_tasks(folder)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.join(ROOT, "train.py"), "--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1",
-               "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=4", "--dropout=0.0",
+               "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=2", "--dropout=0.0",
                "--eval_interval=2", "--gradient_accumulation_steps=2", "--device=cpu",
-               "--eval_tasks=tiny_choice,tiny_text", f"--eval_tasks_include_path={tmp_path}"]
-    procs = {mode: subprocess.Popen(command + [f"--out_dir={tmp_path / mode}", f"--fsdp={mode == 'fsdp'}"], cwd=bpe_run,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    env=dict(os.environ, OMP_NUM_THREADS="1"))
-             for mode in ("ddp", "fsdp")}
+               "--eval_tasks=tiny_choice,tiny_text", f"--eval_tasks_include_path={folder}"]
+    worlds = {}
+    for mode in ("ddp", "fsdp"):
+        with open(folder / f"{mode}.log", "w") as log:  # a file, not a pipe no one reads until the test
+            worlds[mode] = (subprocess.Popen(command + [f"--out_dir={folder / mode}", f"--fsdp={mode == 'fsdp'}"],
+                                             cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                             preexec_fn=lambda: os.nice(10), env=dict(os.environ, OMP_NUM_THREADS="1")),
+                            folder / mode)
+    yield worlds
+    for proc, _ in worlds.values():  # the test failed before it waited, or did not run: torchrun and its workers
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(torchrun_worlds):
+    """Under DDP and under FSDP (where the engine's scorers need the root's sharded parameters gathered): both log
+    every evaluation, with the same figures (the same model trained the same way). Two evaluations (iterations 0 and
+    2) are enough: one has training after it, the other follows training."""
+    pytest.importorskip("lm_eval")
     evals = {}
-    for mode, proc in procs.items():
-        output = proc.communicate(timeout=300)[0]
+    for mode, (proc, out_dir) in torchrun_worlds.items():
+        proc.wait(timeout=300)
+        output = (out_dir.parent / f"{mode}.log").read_text()
         assert proc.returncode == 0, output
-        evals[mode] = [json.loads(line) for line in open(tmp_path / mode / "metrics.jsonl") if "val_loss" in line]
-        assert [r["iter"] for r in evals[mode]] == [0, 2, 4]
+        evals[mode] = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "val_loss" in line]
+        assert [r["iter"] for r in evals[mode]] == [0, 2]
         assert all("tiny_text/bits_per_byte" in r for r in evals[mode])
     for ddp, fsdp in zip(evals["ddp"], evals["fsdp"]):
         assert fsdp["tiny_text/bits_per_byte"] == pytest.approx(ddp["tiny_text/bits_per_byte"], rel=1e-4)

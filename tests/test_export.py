@@ -10,6 +10,7 @@ import io
 import json
 import os
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -533,28 +534,49 @@ def test_export_script_then_sample_from_the_folder(char_ckpts, tmp_path, device)
                       device=device) == from_checkpoint
 
 
+def run_script_here(path, *args):
+    """The script at path as a command with args, in this process (each new one costs seconds): its __main__ block
+    run under the umask processes start with here (0o022). Returns (exit status, stderr) as a process of it would end:
+    a SystemExit with a message is status 1 with the message on stderr, as Python's exit makes it."""
+    stderr, argv, umask = io.StringIO(), sys.argv, os.umask(0o022)
+    sys.argv = [path, *args]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            runpy.run_path(path, run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            stderr.write(e.code + "\n")
+    finally:
+        sys.argv = argv
+        os.umask(umask)
+    return status, stderr.getvalue()
+
+
 def test_export_script_refuses_an_earlier_export_without_overwrite_and_writes_files_as_any_other(char_ckpts,
                                                                                                tmp_path):
+    """export.py's __main__ in this process (run_script_here): test_export_script_then_sample_from_the_folder runs
+    its own process."""
     folder = tmp_path / "hf"
 
     def export(*extra):
-        return subprocess.run([sys.executable, os.path.join(ROOT, "export.py"), f"--out_dir={char_ckpts['swiglu']}",
-                               f"--to={folder}", *extra], capture_output=True, text=True, timeout=120,
-                              preexec_fn=lambda: os.umask(0o022), env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return run_script_here(os.path.join(ROOT, "export.py"), f"--out_dir={char_ckpts['swiglu']}", f"--to={folder}",
+                               *extra)
 
-    first = export()
-    if first.returncode and first.stderr.startswith("error: "):  # refused: the export step, or model.py itself?
+    status, stderr = export()
+    if status and stderr.startswith("error: "):  # refused: the export step, or model.py itself?
         skip_if_model_py_does_not_export(load_model(char_ckpts["swiglu"])[0])
-    assert first.returncode == 0, first.stderr
+    assert status == 0, stderr
     assert {name: oct(os.stat(folder / name).st_mode & 0o777) for name in os.listdir(folder)} == {
         name: "0o644" for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")}
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
-    again = export()
-    assert again.returncode == 1 and again.stderr.strip() == (
+    status, stderr = export()
+    assert status == 1 and stderr.strip() == (
         f"error: {folder} holds an export already (config.json, model.safetensors, tokenizer.json, "
         "tokenizer_config.json); pass --overwrite=True to replace it, or choose another --to")
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
-    assert export("--overwrite=True").returncode == 0
+    assert export("--overwrite=True")[0] == 0
 
 
 def test_export_without_transformers_is_refused_unless_unchecked(char_ckpts, tmp_path, monkeypatch, capsys):

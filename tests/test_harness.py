@@ -7,6 +7,7 @@ the comparison, transformers) is missing, as on the GPU machine; those of the en
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,11 +54,33 @@ metric_list: [{{metric: bits_per_byte}}]
 
 @pytest.fixture(scope="module")
 def harness():
-    """harness.py, which needs lm-eval."""
+    """harness.py, which needs lm-eval. Two set-up costs of lm-eval's are paid once here, not per call:
+
+    - the index of lm-eval's own tasks (thousands of YAML files: 6-9 s to parse), which a TaskManager that includes
+      them builds anew each time: built the first time, then merged with each include_path's as TaskIndex.build
+      merges its paths (later ones override earlier ones); the include_path's are indexed afresh every time.
+    - the report of the machine simple_evaluate adds to its results (torch's collect_env, which runs `pip list` in a
+      subprocess: over a second per call); no test reads it."""
     pytest.importorskip("lm_eval")
+    import lm_eval.evaluator
+    from lm_eval.tasks import _index  # lm-eval's own module (requirements-dev pins lm-eval < 0.5)
     from gpt import harness
 
-    return harness
+    defaults, built = Path(lm_eval.tasks.__file__).parent, []
+    real_build = _index.TaskIndex.build
+
+    def build(paths, **kwargs):
+        paths = list(paths)
+        if kwargs or not paths or Path(paths[0]) != defaults:
+            return real_build(paths, **kwargs)
+        if not built:
+            built.append(real_build([defaults]))
+        return {**built[0], **real_build(paths[1:])}
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_index.TaskIndex, "build", staticmethod(build))
+        patch.setattr(lm_eval.evaluator, "add_env_info", lambda results: None)
+        yield harness
 
 
 @pytest.fixture(scope="module")

@@ -84,10 +84,10 @@ def unshare_prefix():
     return []
 
 
-def run_offline(tmp_path, *args, code=None):
-    """Run python (a script and its arguments, or code) with the network unreachable (a network namespace of its
+def start_offline(tmp_path, *args, code=None):
+    """Start python (a script and its arguments, or code) with the network unreachable (a network namespace of its
     own where unshare works, and in any case every proxy at a closed port), an empty tiktoken cache, and no
-    cache of Hugging Face's: what a fresh clone on a machine with no internet has."""
+    cache of Hugging Face's: what a fresh clone on a machine with no internet has. Returns its Popen."""
     cache = tmp_path / "empty-tiktoken-cache"
     cache.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k.upper() not in ("DATA_GYM_CACHE_DIR", "NO_PROXY")}
@@ -97,8 +97,24 @@ def run_offline(tmp_path, *args, code=None):
                                       "all_proxy")})
     if code is not None:
         args = ("-c", code, *args)
-    return subprocess.run([*unshare_prefix(), sys.executable, "-c", GUARD, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([*unshare_prefix(), sys.executable, "-c", GUARD, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process):
+    """The CompletedProcess of a Popen from start_offline, once it has ended."""
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_offline(tmp_path, *args, code=None):
+    """start_offline's run, waited for: its CompletedProcess."""
+    return finish(start_offline(tmp_path, *args, code=code))
 
 
 def test_shipped_files_are_the_ones_tiktoken_downloads():
@@ -139,7 +155,18 @@ def test_gpt2_tokenizer_offline_encodes_as_tiktoken_without_trying_the_network(t
 
 
 def test_bpe_prepare_and_sample_work_offline(tmp_path):
-    result = run_offline(tmp_path, "data/shakespeare/prepare.py", "--out_dir", str(tmp_path / "data"))
+    """The two commands run side by side (each start costs seconds): sample.py's checkpoint is made here, not from
+    the prepared data."""
+    from gpt.rundir import save_checkpoint
+    from model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
+    save_checkpoint(str(tmp_path / "ckpt.pt"), dict(model=model.state_dict(), model_config=vars(model.config),
+                                                    meta=GPT2_META))
+    prepare = start_offline(tmp_path, "data/shakespeare/prepare.py", "--out_dir", str(tmp_path / "data"))
+    sample = start_offline(tmp_path, "sample.py", f"--out_dir={tmp_path}", "--prompt=Hello, world",
+                           "--max_new_tokens=5", "--device=cpu")
+    result, sampled = finish(prepare), finish(sample)
     assert result.returncode == 0 and "network use" not in result.stderr, result.stderr
     assert json.loads((tmp_path / "data" / "meta.json").read_text()) == GPT2_META
     from gpt.shards import read_shard
@@ -151,14 +178,5 @@ def test_bpe_prepare_and_sample_work_offline(tmp_path):
     reference = official or Tokenizer(GPT2_META).enc  # where no official copy is at hand, the shipped files
     n_train = len(text) * 9 // 10
     assert tokens == [reference.encode_ordinary(text[:n_train]), reference.encode_ordinary(text[n_train:])]
-
-    from gpt.rundir import save_checkpoint
-    from model import GPT, GPTConfig
-
-    model = GPT(GPTConfig(vocab_size=50304, block_size=16, n_layer=1, n_head=1, n_kv_head=1, n_embd=8))
-    save_checkpoint(str(tmp_path / "ckpt.pt"), dict(model=model.state_dict(), model_config=vars(model.config),
-                                                    meta=GPT2_META))
-    result = run_offline(tmp_path, "sample.py", f"--out_dir={tmp_path}", "--prompt=Hello, world",
-                         "--max_new_tokens=5", "--device=cpu")
-    assert result.returncode == 0 and "network use" not in result.stderr, result.stderr
-    assert result.stdout.startswith("Hello, world")
+    assert sampled.returncode == 0 and "network use" not in sampled.stderr, sampled.stderr
+    assert sampled.stdout.startswith("Hello, world")
