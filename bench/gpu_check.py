@@ -4,6 +4,8 @@ and its figures, and ends with a summary to paste into a bug report.
     python bench/gpu_check.py                  # on a GPU: the test suite, then every row at the 124M shape
     python bench/gpu_check.py --device=cuda:1  # one card of several
     python bench/gpu_check.py --tiny           # any machine, a tiny model: every row runs (CI runs this on the CPU)
+    python bench/gpu_check.py --tiny --jobs=2  # two rows at once where neither reads the other's: sooner, figures
+                                               # meaningless (they share the machine)
 
 Each row runs real commands in fresh processes, as a user would type them, with --device passed to every train.py,
 sample.py and eval.py; a row that fails records its error line and the last lines of its output, and the rows after
@@ -57,8 +59,10 @@ The exit status is 1 if any row failed.
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import glob
+import itertools
 import json
 import math
 import os
@@ -70,6 +74,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from types import SimpleNamespace
@@ -124,6 +129,9 @@ metric_list:
     higher_is_better: false
 """
 TAIL_LINES = 40  # of a failed command's output, kept in the JSON and the log: the traceback a bug report needs
+RUNNING = set()  # the commands running now (subprocess.Popen), for stop_all
+STOPPING = threading.Event()  # set by stop_all: no command starts after it
+SAMPLE_FILES = itertools.count()  # numbers sample.py's text files, each its own where rows run side by side
 
 
 class RowFailed(Exception):
@@ -155,7 +163,10 @@ def run(ctx, command, env=None, cwd=None, text_path=None):
         proc = subprocess.Popen(command, cwd=cwd or ctx.work, env=env, stdout=text_file or subprocess.PIPE,
                                 stderr=subprocess.PIPE if text_file else subprocess.STDOUT, text=True,
                                 start_new_session=True)
+        RUNNING.add(proc)
         try:
+            if STOPPING.is_set():  # rows side by side (--jobs), Ctrl-C'd: stop_all may have missed this one
+                raise KeyboardInterrupt
             output = "".join(filter(None, proc.communicate(timeout=ctx.timeout)))
             returncode = proc.returncode
         except subprocess.TimeoutExpired:
@@ -163,6 +174,10 @@ def run(ctx, command, env=None, cwd=None, text_path=None):
         except BaseException:  # Ctrl-C: end the command too (it is out of the terminal's reach), then stop here
             stop(proc)
             raise
+        finally:
+            RUNNING.discard(proc)
+        if STOPPING.is_set():  # ended by stop_all: the row goes no further
+            raise KeyboardInterrupt
     with open(ctx.log, "a") as f:
         if text_path:  # the text, then what the command printed on stderr
             with open(text_path) as text_file:
@@ -171,11 +186,14 @@ def run(ctx, command, env=None, cwd=None, text_path=None):
     return returncode, output
 
 
+GRACE = ((signal.SIGTERM, 60), (signal.SIGKILL, 30))  # how a command is ended: see stop
+
+
 def stop(proc):
     """End a command and all it started; its output. SIGTERM first: torchrun passes it on to its workers, which run
     in sessions of their own that a signal to this group does not reach (and train.py saves and exits on it); what
     is left a minute later gets SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+    for sig, grace in GRACE:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:
@@ -531,7 +549,7 @@ def sample(ctx, *settings):
     its output on stderr."""
     checkpoint = train_checkpoint(ctx)
     new_tokens = 64 if ctx.args.tiny else 256
-    text_path = os.path.join(ctx.work, f"sample_{len(ctx.texts)}.txt")
+    text_path = os.path.join(ctx.work, f"sample_{next(SAMPLE_FILES)}.txt")
     # TORCH_LOGS=cudagraphs shows CUDA-graph trees' "skipping cudagraphs due to ..." (e.g. an input mutated in place
     # that is not a static address), which would leave the compiled step launch-bound
     output = must(ctx, [ctx.python, SAMPLE, f"--out_dir={checkpoint}", "--prompt=ROMEO:",
@@ -720,38 +738,116 @@ ROWS = [
 # Running the rows, the summary
 
 
-def run_rows(ctx, rows, save=lambda: None, skip=()):
+# The rows whose results or files a row reads, beyond those it needs to have passed: run one after another, ROWS'
+# order ends them first; run side by side (--jobs), a row starts only once these have ended
+READS = {
+    "train": ["train_eager"],  # its speed over train_eager's
+    "resume": ["train"], "resume_ddp": ["ddp"], "resume_fsdp": ["fsdp"],  # the losses they compare with
+    "memory": ["train_eager", "train"],  # the peaks it takes from them where it can
+    **{name: ["train"] for name in ("eval", "int8", "w8a8", "graphs")},  # train's checkpoint
+    "lookup": ["train", "graphs"], "draft": ["train", "graphs"],  # and the plain greedy texts graphs decoded
+}
+
+
+def run_rows(ctx, rows, save=lambda: None, skip=(), jobs=1):
     """Run each row but those named in skip, recording into ctx.results whatever happens to it, and go on to the
-    next; save() after each."""
+    next; save() after each. With jobs > 1, that many rows at once: see side_by_side."""
+    if jobs > 1:
+        return side_by_side(ctx, rows, save, skip, jobs)
     for number, (name, needs, row) in enumerate(rows, 1):
         print(f"[{number}/{len(rows)}] {name} ...", flush=True)
-        with open(ctx.log, "a") as f:
-            f.write(f"\n===== row {name} =====\n")
-        ctx.commands, start = [], time.perf_counter()
-        missing = [need for need in needs if ctx.results.get(need, {}).get("status") != "PASS"]
-        try:
-            if name in skip:
-                raise RowSkipped("--skip")
-            if missing:
-                raise RowFailed(f"needs the {missing[0]} row, which did not pass")
-            figures, key = row(ctx)
-            result = dict(status="PASS", key=key, figures=figures)
-        except RowSkipped as e:
-            result = dict(status="SKIP", key=f"skipped: {e}")
-        except RowFailed as e:
-            result = dict(status="FAIL", error=str(e), output_tail=tail(e.output), figures=e.figures)
-        except Exception as e:  # output this script did not expect, or a bug in it: this row fails, the rest run
-            result = dict(status="FAIL", error=f"gpu_check: {type(e).__name__}: {e}",
-                          output_tail=traceback.format_exc().splitlines()[-TAIL_LINES:])
-        result.update(seconds=round(time.perf_counter() - start, 1), commands=ctx.commands)
-        ctx.results[name] = result
-        print(f"    {result['status']} ({result['seconds']} s): {result.get('key') or result['error']}", flush=True)
-        if result["status"] == "FAIL":
-            last_lines = "\n".join("      " + line for line in result["output_tail"])
-            print(last_lines, flush=True)
-            with open(ctx.log, "a") as f:
-                f.write(f"FAIL {name}: {result['error']}\n  last lines:\n{last_lines}\n")
+        ctx.results[name] = run_row(ctx, name, needs, row, skip)
+        print_result(ctx.results[name])
         save()
+
+
+def run_row(ctx, name, needs, row, skip):
+    """One row, whatever happens to it: its result (a failure's error and last lines go to the log too)."""
+    with open(ctx.log, "a") as f:
+        f.write(f"\n===== row {name} =====\n")
+    ctx.commands, start = [], time.perf_counter()
+    missing = [need for need in needs if ctx.results.get(need, {}).get("status") != "PASS"]
+    try:
+        if name in skip:
+            raise RowSkipped("--skip")
+        if missing:
+            raise RowFailed(f"needs the {missing[0]} row, which did not pass")
+        figures, key = row(ctx)
+        result = dict(status="PASS", key=key, figures=figures)
+    except RowSkipped as e:
+        result = dict(status="SKIP", key=f"skipped: {e}")
+    except RowFailed as e:
+        result = dict(status="FAIL", error=str(e), output_tail=tail(e.output), figures=e.figures)
+    except Exception as e:  # output this script did not expect, or a bug in it: this row fails, the rest run
+        result = dict(status="FAIL", error=f"gpu_check: {type(e).__name__}: {e}",
+                      output_tail=traceback.format_exc().splitlines()[-TAIL_LINES:])
+    result.update(seconds=round(time.perf_counter() - start, 1), commands=ctx.commands)
+    if result["status"] == "FAIL":
+        with open(ctx.log, "a") as f:
+            f.write(f"FAIL {name}: {result['error']}\n  last lines:\n{last_lines(result)}\n")
+    return result
+
+
+def last_lines(result):
+    return "\n".join("      " + line for line in result["output_tail"])
+
+
+def print_result(result, name=None):
+    """A row's result as it ends: its status and key line (after its name, where rows run side by side), and a
+    failure's last lines."""
+    print(f"    {name + ': ' if name else ''}{result['status']} ({result['seconds']} s): "
+          f"{result.get('key') or result['error']}", flush=True)
+    if result["status"] == "FAIL":
+        print(last_lines(result), flush=True)
+
+
+def side_by_side(ctx, rows, save, skip, jobs):
+    """run_rows with up to jobs rows running at once (--jobs), in threads: a row starts once the earlier rows it needs
+    or reads (READS) have ended. It gets a ctx of its own: its commands, and a log of its own that joins ctx.log when
+    the row ends (each row's lines together). ctx.results ends in the rows' order."""
+    names = [name for name, _, _ in rows]
+    waits = {name: set(needs + READS.get(name, [])) & set(names[:number]) for number, (name, needs, _) in
+             enumerate(rows)}
+    # the rows others wait for first (train, graphs): a chain of rows started late would end the run one at a time
+    waiting = sorted(rows, key=lambda entry: -sum(entry[0] in wait for wait in waits.values()))
+    running, ended = {}, set()
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        try:
+            while waiting or running:
+                for entry in [entry for entry in waiting if waits[entry[0]] <= ended][:jobs - len(running)]:
+                    waiting.remove(entry)
+                    name = entry[0]
+                    print(f"[{names.index(name) + 1}/{len(rows)}] {name} ...", flush=True)
+                    own = SimpleNamespace(**{**vars(ctx), "log": os.path.join(ctx.work, f"log_{name}.txt")})
+                    running[pool.submit(run_row, own, *entry, skip)] = name, own.log
+                for future in concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED).done:
+                    name, log = running.pop(future)
+                    ctx.results[name] = future.result()
+                    ended.add(name)
+                    with open(log) as f, open(ctx.log, "a") as main_log:
+                        main_log.write(f.read())
+                    os.remove(log)
+                    print_result(ctx.results[name], name)
+                    save()
+        except BaseException:  # Ctrl-C: end the commands running (out of the terminal's reach), then stop here
+            stop_all(running)
+            raise
+    ordered = {name: result for name, result in ctx.results.items() if name not in names}  # from before: first
+    ordered.update((name, ctx.results[name]) for name in names)
+    ctx.results.clear()  # the same dict, in order: main's report holds it
+    ctx.results.update(ordered)
+
+
+def stop_all(futures):
+    """Rows side by side, Ctrl-C'd: no command starts any more (run), and those running end as stop ends one, SIGTERM
+    then SIGKILL; the rows' threads (futures) then end."""
+    STOPPING.set()
+    for sig, grace in GRACE:
+        for proc in list(RUNNING):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        if not concurrent.futures.wait(futures, timeout=grace).not_done:
+            return
 
 
 def summary(ctx):
@@ -819,6 +915,15 @@ def positive_ints(text, what, many=False):
     return [int(v) for v in values] if many else int(values[0])
 
 
+def jobs_option(text, tiny):
+    """--jobs: how many rows run at once. Side by side they share the machine, so it takes --tiny, whose figures are
+    not the point; a bad value is one line."""
+    jobs = positive_ints(text, "--jobs")
+    if jobs > 1 and not tiny:
+        sys.exit("error: --jobs runs rows side by side, which spoils every figure they measure: with --tiny only")
+    return jobs
+
+
 def row_names(text):
     """The rows --skip names; a name that is no row is one line that lists them."""
     names, rows = [name for name in text.split(",") if name], [row[0] for row in ROWS]
@@ -842,9 +947,12 @@ def main():
                         "separated (default 16,32,64, tiny 8)")
     parser.add_argument("--timeout", default="1800", help="seconds one command may run before its row fails "
                         "(default 1800; a hung NCCL collective would otherwise never end)")
+    parser.add_argument("--jobs", default="1", help="rows run at once, with --tiny only (default 1): rows side by "
+                        "side share the machine, and their figures mean nothing (a quick check of the paths, as CI's)")
     parser.add_argument("--out", default="", help="the JSON file (default out-gpu-check/gpu_check_<device>.json)")
     args = parser.parse_args()
     skip = row_names(args.skip)
+    jobs = jobs_option(args.jobs, args.tiny)
     setup = device_setup(args.device)
     iters = positive_ints(args.iters or ("12" if args.tiny else "50"), "--iters")
     batch = positive_ints(args.batch_size or ("4" if args.tiny else "16"), "--batch_size")
@@ -868,7 +976,7 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     report = dict(device=ctx.name, capability=ctx.capability, gpu=ctx.cuda, torch=torch.__version__,
                   cuda=torch.version.cuda, python=platform.python_version(), tiny=args.tiny, iters=iters,
-                  batch_size=batch, processes=ctx.processes, rows=ctx.results, log=ctx.log)
+                  batch_size=batch, processes=ctx.processes, jobs=jobs, rows=ctx.results, log=ctx.log)
 
     def save():
         report["summary"] = summary(ctx)
@@ -877,7 +985,7 @@ def main():
 
     print(f"device: {ctx.name}; torch {torch.__version__}; every command's output goes to {ctx.log}", flush=True)
     start = time.perf_counter()
-    run_rows(ctx, ROWS, save, skip)
+    run_rows(ctx, ROWS, save, skip, jobs)
     for path in glob.glob(os.path.join(ctx.work, "*", "ckpt.pt")):  # train's, and any a failed row left
         os.remove(path)
     report["seconds"] = round(time.perf_counter() - start, 1)
