@@ -33,6 +33,19 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def missing_checkpoint_run(tmp_path_factory):
+    """attention.py as a script on a folder without a checkpoint, started with the module: its seconds of importing
+    torch pass on the core the in-process tests leave. Its test waits for it."""
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "attention.py"),
+                             f"--out_dir={tmp_path_factory.mktemp('empty')}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
 def tiny_model(**overrides):
     torch.manual_seed(0)
     config = dict(vocab_size=64, block_size=32, n_layer=2, n_embd=32, **overrides)
@@ -194,8 +207,8 @@ def test_bad_input_is_a_one_line_error(checkpoint_dir, tmp_path, args, needle):
     assert not os.path.exists(tmp_path / "x.png")
 
 
-def test_missing_checkpoint_exits_with_one_line(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "attention.py"), f"--out_dir={tmp_path}"],
-                            capture_output=True, text=True, timeout=120)
+def test_missing_checkpoint_exits_with_one_line(missing_checkpoint_run):
+    stdout, stderr = missing_checkpoint_run.communicate(timeout=120)
+    result = subprocess.CompletedProcess(missing_checkpoint_run.args, missing_checkpoint_run.returncode, stdout, stderr)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "no checkpoint at" in result.stderr

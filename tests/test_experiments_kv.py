@@ -18,6 +18,30 @@ from test_train import workdir  # noqa: F401 (a fixture)
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = ["kv_cache", "kv_heads", "position", "scaling"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def scripts():
+    """The experiments run as scripts, as experiments/README.md runs them, from the repo: each started with the module
+    (each spends a second or more importing torch, on the core the in-process tests leave) and waited for by its test.
+    {name: Popen}: "run" is kv_cache.py at its small shape, and each name of SCRIPTS its --help."""
+    def start(script, *args, **env):
+        return subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", f"{script}.py"), *args], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+
+    procs = {"run": start("kv_cache", "--shape=small", "--repeats=1", OMP_NUM_THREADS="1"),
+             **{script: start(script, "--help") for script in SCRIPTS}}
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def finished(proc, timeout):
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def tiny(**overrides):
@@ -82,12 +106,10 @@ def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch, devi
 # Both scripts end to end, as experiments/README.md runs them (at a tiny size)
 
 
-def test_kv_cache_runs_as_a_script():
+def test_kv_cache_runs_as_a_script(scripts):
     """`python experiments/kv_cache.py` imports the machine line from bench/ (it failed at start when bench_train
     imported bench_sample as a top-level module): the small shape, one repeat, every context a row."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "kv_cache.py"), "--shape=small",
-                             "--repeats=1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = finished(scripts["run"], timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("machine: ")
     rows = [line.split() for line in result.stdout.splitlines() if line.split()[:1] in (["64"], ["128"])]
@@ -114,10 +136,9 @@ def test_kv_heads_runs_its_four_trainings_and_prints_the_table(workdir, tmp_path
     assert kv_bytes["kv4"] == 2 * kv_bytes["kv2"] == 4 * kv_bytes["kv1"] == kv_bytes["kv4-seed2"]
 
 
-@pytest.mark.parametrize("script", ["kv_cache", "kv_heads", "position", "scaling"])
-def test_every_experiment_starts_as_a_script(script):
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_experiment_starts_as_a_script(scripts, script):
     """`python experiments/NAME.py` as experiments/README.md runs it gets past its imports (kv_heads and kv_cache
     once failed there, importing bench/ modules as top-level ones): --help exits 0 with its usage."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", f"{script}.py"), "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = finished(scripts[script], timeout=120)
     assert result.returncode == 0 and result.stdout.startswith(f"usage: {script}.py"), result.stderr

@@ -115,19 +115,36 @@ def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
                                atol=1e-6 * expected.abs().max().item(), rtol=1e-6)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA names x86 instruction sets")
-def test_an_int8_rows_kernel_that_saturates_is_no_candidate():
-    """oneDNN's int8 products without VNNI (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only CPU runs) sum pairs of
-    products in int16, which saturates: capped at AVX2 on an AVX-512 AMD EPYC, 127 x 127 x 768 came out as 97920. The
-    check in usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows; where
-    the sum comes out exact (an AVX2-only Zen 3 EPYC), it must keep int_mm."""
+@pytest.fixture(scope="module", autouse=True)
+def avx2_process():
+    """The check of test_an_int8_rows_kernel_that_saturates_is_no_candidate, in a process with oneDNN capped at AVX2
+    (a setting read once per process), started with the module: its second of importing torch passes on the core the
+    in-process tests leave. It prints usable_kernels' candidates for 8 int8 rows, then _int_mm's sum of 768 products
+    127 x 127. None off x86."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        yield None
+        return
     script = ("import torch, torch.nn as nn; from gpt import kernels; from gpt.quantize import W8A8Linear; torch.manual_seed(0); "
               "layer = W8A8Linear(nn.Linear(768, 64)); print(kernels.usable_kernels(layer, 8, compiled=False)); "
               "x, weight = torch.full((1, 768), 127, dtype=torch.int8), torch.full((64, 768), 127, dtype=torch.int8); "
               "print(int(kernels.int_mm_linear(x, weight, None)[0, 0]))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1"))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", OMP_NUM_THREADS="1"))
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ONEDNN_MAX_CPU_ISA names x86 instruction sets")
+def test_an_int8_rows_kernel_that_saturates_is_no_candidate(avx2_process):
+    """oneDNN's int8 products without VNNI (ONEDNN_MAX_CPU_ISA=AVX2: what an AVX2-only CPU runs) sum pairs of
+    products in int16, which saturates: capped at AVX2 on an AVX-512 AMD EPYC, 127 x 127 x 768 came out as 97920. The
+    check in usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows; where
+    the sum comes out exact (an AVX2-only Zen 3 EPYC), it must keep int_mm."""
+    stdout, stderr = avx2_process.communicate(timeout=120)
+    result = subprocess.CompletedProcess(avx2_process.args, avx2_process.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr
     usable, saturated = result.stdout.strip().splitlines()
     usable = eval(usable)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from gpt.sampling import sample_next_token, sampling_probs
 from model import GPT, GPTConfig, KVCache, Positions, attention, rope
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
 
 
@@ -354,7 +356,7 @@ def test_tiny_model_overfits_one_batch(mlp, device):
     idx = torch.randint(0, 97, (4, 33), device=device)
     x, y = idx[:, :-1], idx[:, 1:]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(200):
+    for _ in range(100):  # each mlp's loss is below 0.1 from about step 47 on, 0.016 to 0.028 at step 100 (a CPU)
         _, loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()

@@ -9,8 +9,9 @@ float copy into a matrix product; on a GPU the same is shown by tracing); specul
 quantized draft (greedy token for token, sampling in distribution); and a mode that cannot run is a one-line error.
 
 The model is a tiny character GPT trained here for a few seconds (its logits mean something, a random model's do
-not); its snapshot from earlier in training is the draft. float32's compiled greedy text against its eager one,
-with real inductor, is test_sample.py's (test_compiled_greedy_with_inductor_in_a_separate_process).
+not); its snapshot from earlier in training is the draft; the tests that compile with real inductor decode a one-layer
+GPT trained alike (its step compiles faster). float32's compiled greedy text against its eager one, with real
+inductor, is test_sample.py's (test_compiled_greedy_with_inductor_in_a_separate_process).
 """
 
 import copy
@@ -59,35 +60,46 @@ def int4_process(tmp_path_factory):
     proc.communicate()
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A character GPT with a tied head, trained for 250 AdamW steps (~4 s; loss ~1.9), its snapshot at step 100 as
-    the draft (they agree often, not always), both saved as checkpoints; and the held-out text."""
-    with open(os.path.join(ROOT, "data", "shakespeare", "input.txt"), encoding="utf-8") as f:
-        text = f.read()
-    meta = char_meta(text)
-    tokenizer = Tokenizer(meta)
-    data = torch.tensor(tokenizer.encode(text[:-HELD_OUT]))
+def train_char_gpt(data, vocab_size, n_layer, snapshot_at=None):
+    """A character GPT with a tied head, trained from seed 0 for 250 AdamW steps; and its snapshot at step
+    snapshot_at (None: none)."""
+    snapshot = None
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = GPT(GPTConfig(vocab_size=meta["vocab_size"], block_size=BLOCK, n_layer=2, n_head=2, n_kv_head=1,
+        model = GPT(GPTConfig(vocab_size=vocab_size, block_size=BLOCK, n_layer=n_layer, n_head=2, n_kv_head=1,
                               n_embd=64))
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         for step in range(250):
-            if step == 100:
-                draft = copy.deepcopy(model).eval()
+            if step == snapshot_at:
+                snapshot = copy.deepcopy(model).eval()
             starts = torch.randint(len(data) - BLOCK, (16,)).tolist()
             x, y = (torch.stack([data[s + i:s + i + BLOCK] for s in starts]) for i in (0, 1))
             optimizer.zero_grad()
             model(x, y)[1].backward()
             optimizer.step()
+    return model.eval(), snapshot
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A two-layer character GPT (train_char_gpt: ~4 s; loss ~1.9), its snapshot at step 100 as the draft (they agree
+    often, not always), and a one-layer GPT trained alike (~2 s), each saved as a checkpoint; and the held-out text.
+    The tests that compile with real inductor decode the one-layer model: its step compiles in about 60% of the
+    two-layer one's time (4.3 s against 7 s, cold, on 2 cores), and each of them compiles one or two."""
+    with open(os.path.join(ROOT, "data", "shakespeare", "input.txt"), encoding="utf-8") as f:
+        text = f.read()
+    meta = char_meta(text)
+    tokenizer = Tokenizer(meta)
+    data = torch.tensor(tokenizer.encode(text[:-HELD_OUT]))
+    model, draft = train_char_gpt(data, meta["vocab_size"], n_layer=2, snapshot_at=100)
+    one_layer, _ = train_char_gpt(data, meta["vocab_size"], n_layer=1)
     paths = {}
-    for name, m in (("target", model), ("draft", draft)):
+    for name, m in (("target", model), ("draft", draft), ("one_layer", one_layer)):
         paths[name] = str(tmp_path_factory.mktemp(name) / "ckpt.pt")
         torch.save({"model": m.state_dict(), "model_config": asdict(m.config), "meta": meta}, paths[name])
     held_out = tmp_path_factory.mktemp("text") / "held_out.txt"
     held_out.write_text(text[-HELD_OUT:], encoding="utf-8")
-    return dict(model=model.eval(), tokenizer=tokenizer, held_out=str(held_out),
+    return dict(model=model, one_layer_model=one_layer, tokenizer=tokenizer, held_out=str(held_out),
                 held_out_ids=tokenizer.encode(text[-HELD_OUT:]), **paths)
 
 
@@ -240,6 +252,17 @@ def force_kernel(monkeypatch, eager, compiled="reduction"):
         eager or measured(layers, rows, is_compiled)))
 
 
+W8A8_KERNELS = {1: "int-mm", 5: "onednn-int8"}  # at one row, and at --draft=lookup's checks of draft_k + 1 rows
+
+
+def force_w8a8_kernels(monkeypatch, trained):
+    """The int8-rows kernels, eager and compiled, where they are exact here (torch's _int_mm for one row, oneDNN's
+    packed product for more; what an AMD EPYC measures fastest), else the layer's own product."""
+    layer = int8(trained["one_layer_model"], "w8a8").lm_head
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: W8A8_KERNELS[rows] if
+                        W8A8_KERNELS[rows] in kernels.usable_kernels(layer, rows, compiled) else "torch")
+
+
 @pytest.mark.parametrize("path, n, kernel", [("generate", 1, None)] +
                          [("decode_batch", n, kernel) for n in (1, 8) for kernel in EAGER_KERNELS])
 def test_int8_kv_cache_decoding_runs_and_gives_logits_close_to_fp32(trained, monkeypatch, path, n, kernel):
@@ -304,9 +327,9 @@ def test_int8_changes_the_held_out_log_likelihood_by_under_a_tenth_of_a_percent(
 # sample.py in each mode
 
 
-def greedy(capsys, trained, *extra):
+def greedy(capsys, trained, *extra, checkpoint="target"):
     capsys.readouterr()
-    sample.main([f"--out_dir={trained['target']}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=100",
+    sample.main([f"--out_dir={trained[checkpoint]}", f"--prompt={PROMPT}", "--temperature=0", "--max_new_tokens=100",
                  "--device=cpu", *extra])
     return capsys.readouterr()
 
@@ -330,10 +353,20 @@ def record_models(monkeypatch, name, module=sample):
     ("--quantize=w8a8", W8A8Linear, torch.float32, True),
     ("--dtype=bfloat16", nn.Linear, torch.bfloat16, False)], ids=["int8", "w8a8", "bf16"])
 def test_greedy_text_in_each_mode_is_the_same_run_to_run(trained, capsys, monkeypatch, mode, head, dtype, compiled):
+    """Two runs of the one-layer model in this process, each compiling its step where the mode compiles by default.
+    The compiled kernels are forced to those the inductor tests below compile (int8: the reduction; w8a8: the
+    int8-rows kernels), so that each mode's step is compiled once for both tests (inductor's cache) and not once per
+    candidate kernel: measuring them compiled costs an inductor compile each, and the second run would reuse the
+    first run's choice all the same (kernels.choices). sample.py measuring them compiled is bench/gpu_check.py's int8
+    and w8a8 rows (on the CPU in tests/test_gpu_check.py)."""
+    if mode == "--quantize=int8":
+        force_kernel(monkeypatch, eager=None)
+    elif mode == "--quantize=w8a8":
+        force_w8a8_kernels(monkeypatch, trained)
     decoded = record_models(monkeypatch, "decode_batch")
-    first = greedy(capsys, trained, mode).out
+    first = greedy(capsys, trained, mode, checkpoint="one_layer").out
     assert len(first) == len(PROMPT) + 100 + 1
-    assert greedy(capsys, trained, mode).out == first
+    assert greedy(capsys, trained, mode, checkpoint="one_layer").out == first
     assert decoded == [([(head, dtype)], compiled)] * 2  # the mode was applied, and compile's default for it
 
 
@@ -434,21 +467,23 @@ def test_a_weight_only_int8_model_decodes_the_same_compiled_as_eager(trained, mo
 def test_int8_on_a_cpu_compiles_by_default_with_inductor_and_decodes_what_eager_decodes(trained, capsys, monkeypatch,
                                                                                         fresh_dynamo):
     """sample.py --quantize=int8 on a CPU compiles its step by default (eager, every step would make a float copy
-    of every weight). With real inductor, its greedy text (100 tokens, the window sliding) must be its own
-    --compile=False run's, from one graph, whose generated code reads the int8 weights in its loops and allocates
-    no float buffer the size of any weight (no copy) and calls no matrix product. The compiled kernel is forced to
-    the reduction (what decode_linears measures fastest compiled on the CPUs this ran on) so that every machine
-    tests it. ~10 s on 2 cores with a cold inductor cache; under 1 s after the int8 run-to-run test compiled it."""
+    of every weight). With real inductor, the one-layer model's greedy text (100 tokens, the window sliding) must be
+    its own --compile=False run's, from one graph, whose generated code reads the int8 weights in its loops and
+    allocates no float buffer the size of any weight (no copy) and calls no matrix product. The compiled kernel is
+    forced to the reduction (what decode_linears measures fastest compiled on the CPUs this ran on) so that every
+    machine tests it. ~12 s alone in a fresh process on 2 cores (a cold inductor cache); under 1 s after the int8
+    run-to-run test compiled the step."""
     from torch._inductor.graph import GraphLowering
 
     force_kernel(monkeypatch, eager=None)
     graphs, codes = counting_compiles(monkeypatch, "inductor"), []
     monkeypatch.setattr(GraphLowering, "save_output_code", codes.append)  # as torch._inductor.utils.run_and_get_code
-    eager = greedy(capsys, trained, "--quantize=int8", "--compile=False").out
+    eager = greedy(capsys, trained, "--quantize=int8", "--compile=False", checkpoint="one_layer").out
     assert graphs == [] and codes == []
-    assert greedy(capsys, trained, "--quantize=int8").out == eager
+    assert greedy(capsys, trained, "--quantize=int8", checkpoint="one_layer").out == eager
     assert len(graphs) == 1 and codes
-    smallest = min(m.weight.numel() for m in int8(trained["model"]).modules() if isinstance(m, Int8WeightOnlyLinear))
+    smallest = min(m.weight.numel() for m in int8(trained["one_layer_model"]).modules()
+                   if isinstance(m, Int8WeightOnlyLinear))
     for code in codes:
         shapes = re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)  # every buffer the step allocates
         allocated = [prod(map(int, re.findall(r"\d+", shape))) for shape in shapes]
@@ -458,18 +493,15 @@ def test_int8_on_a_cpu_compiles_by_default_with_inductor_and_decodes_what_eager_
 
 def test_w8a8_compiled_with_inductor_decodes_what_eager_decodes_plain_and_with_prompt_lookup(trained, capsys,
                                                                                           monkeypatch, fresh_dynamo):
-    """sample.py --quantize=w8a8 compiles by default on a CPU. With real inductor, its greedy text (100 tokens, the
-    window sliding) must be its own --compile=False run's, and --draft=lookup's too, whose checks of draft_k + 1
-    rows run the multi-row kernel. The kernels are forced to the int8-rows ones where they are exact here (torch's
-    _int_mm for one row, oneDNN's packed product for more; what an AMD EPYC measures fastest), else the layer's own
-    product. ~20 s with a cold inductor cache."""
-    layer = int8(trained["model"], "w8a8").lm_head
-    wanted = {1: "int-mm", 5: "onednn-int8"}
-    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: wanted[rows] if wanted[rows] in
-                        kernels.usable_kernels(layer, rows, compiled) else "torch")
-    eager = greedy(capsys, trained, "--quantize=w8a8", "--compile=False").out
-    assert greedy(capsys, trained, "--quantize=w8a8").out == eager
-    assert greedy(capsys, trained, "--quantize=w8a8", "--draft=lookup").out == eager
+    """sample.py --quantize=w8a8 compiles by default on a CPU. With real inductor, the one-layer model's greedy text
+    (100 tokens, the window sliding) must be its own --compile=False run's, and --draft=lookup's too, whose checks of
+    draft_k + 1 rows run the multi-row kernel. The kernels are forced to the int8-rows ones (force_w8a8_kernels).
+    Three graphs: ~20 s alone in a fresh process on 2 cores (a cold inductor cache); ~8 s after the w8a8 run-to-run
+    test compiled the plain step."""
+    force_w8a8_kernels(monkeypatch, trained)
+    eager = greedy(capsys, trained, "--quantize=w8a8", "--compile=False", checkpoint="one_layer").out
+    assert greedy(capsys, trained, "--quantize=w8a8", checkpoint="one_layer").out == eager
+    assert greedy(capsys, trained, "--quantize=w8a8", "--draft=lookup", checkpoint="one_layer").out == eager
 
 
 @pytest.mark.parametrize("rows", [1, 4])

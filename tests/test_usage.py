@@ -17,29 +17,47 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = {"train": train, "sample": sample, "eval": eval_py, "export": export, "attention": attention}
 
 
-def run_help(tmp_path, command, flag="--help"):
-    """The command run as a user runs it, from an empty folder (so that anything it wrote would show)."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, f"{command}.py"), flag], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+@pytest.fixture(scope="module")
+def helps(tmp_path_factory):
+    """Each command run with --help (and sample.py with -h) as a user runs it, each from an empty folder of its own (so
+    that anything it wrote would show): {(command, flag): (CompletedProcess, folder)}. The processes start together,
+    since each spends a second or more importing torch, and the tests only read what they printed."""
+    runs = {}
+    for command, flag in [(command, "--help") for command in COMMANDS] + [("sample", "-h")]:
+        folder = tmp_path_factory.mktemp(command)
+        runs[command, flag] = folder, subprocess.Popen([sys.executable, os.path.join(ROOT, f"{command}.py"), flag],
+                                                       cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                       text=True)
+    try:
+        results = {}
+        for key, (folder, proc) in runs.items():
+            stdout, stderr = proc.communicate(timeout=120)
+            results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), folder
+        return results
+    finally:
+        for _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_help_lists_every_setting_with_its_default_and_does_nothing_else(tmp_path, command):
-    result = run_help(tmp_path, command)
+def test_help_lists_every_setting_with_its_default_and_does_nothing_else(helps, command):
+    result, folder = helps[command, "--help"]
     assert result.returncode == 0 and result.stderr == "", result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == f"usage: python {command}.py [config/file.py ...] [--setting=value ...]"
     for key, value in COMMANDS[command].DEFAULTS.items():
         assert any(line.startswith(f"  --{key}={value!r}") for line in lines), key
-    assert os.listdir(tmp_path) == []
+    assert os.listdir(folder) == []
 
 
-def test_dash_h_is_help_too(tmp_path):
-    assert run_help(tmp_path, "sample", "-h").stdout == run_help(tmp_path, "sample").stdout
+def test_dash_h_is_help_too(helps):
+    assert helps["sample", "-h"][0].stdout == helps["sample", "--help"][0].stdout
 
 
-def test_help_shows_each_comment_beside_its_setting_and_the_groups(tmp_path):
-    out = run_help(tmp_path, "train").stdout
+def test_help_shows_each_comment_beside_its_setting_and_the_groups(helps):
+    out = helps["train", "--help"][0].stdout
     eval_interval = next(line for line in out.splitlines() if line.startswith("  --eval_interval="))
     assert eval_interval.split(None, 1)[1] == "evaluate (and checkpoint) every this many iterations"
     assert "\noutput and logging:\n  --out_dir='out'" in out and "\nsystem:\n  --device='auto'" in out
