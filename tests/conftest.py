@@ -2,6 +2,7 @@ import atexit
 import importlib.util
 import os
 import shutil
+import subprocess
 import tempfile
 
 import pytest
@@ -84,3 +85,15 @@ def fake_cuda(monkeypatch):
         return fake_cuda_site.install(lambda obj, name, value: monkeypatch.setattr(obj, name, value, raising=False),
                                       card)
     return install
+
+
+def finished(process, timeout=120):
+    """The CompletedProcess of a subprocess.Popen started with pipes (stdout, stderr), once it has ended; killed if it
+    has not within timeout (the TimeoutExpired then fails the test), so that no test leaves it running."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

@@ -15,6 +15,7 @@ import tiktoken
 import tiktoken.load
 from tiktoken_ext import openai_public
 
+from conftest import finished
 from gpt.bpe import GPT2_META, named_encoding
 from gpt.tokenizer import Tokenizer
 
@@ -101,20 +102,9 @@ def start_offline(tmp_path, *args, code=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(process):
-    """The CompletedProcess of a Popen from start_offline, once it has ended."""
-    try:
-        stdout, stderr = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 def run_offline(tmp_path, *args, code=None):
     """start_offline's run, waited for: its CompletedProcess."""
-    return finish(start_offline(tmp_path, *args, code=code))
+    return finished(start_offline(tmp_path, *args, code=code))
 
 
 def test_shipped_files_are_the_ones_tiktoken_downloads():
@@ -166,7 +156,7 @@ def test_bpe_prepare_and_sample_work_offline(tmp_path):
     prepare = start_offline(tmp_path, "data/shakespeare/prepare.py", "--out_dir", str(tmp_path / "data"))
     sample = start_offline(tmp_path, "sample.py", f"--out_dir={tmp_path}", "--prompt=Hello, world",
                            "--max_new_tokens=5", "--device=cpu")
-    result, sampled = finish(prepare), finish(sample)
+    result, sampled = finished(prepare), finished(sample)
     assert result.returncode == 0 and "network use" not in result.stderr, result.stderr
     assert json.loads((tmp_path / "data" / "meta.json").read_text()) == GPT2_META
     from gpt.shards import read_shard

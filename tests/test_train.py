@@ -28,7 +28,7 @@ import torch
 
 import model as model_module
 import train
-from conftest import DEVICE
+from conftest import DEVICE, finished
 from data.shakespeare_char import prepare as prepare_char
 from gpt import UserError, mfu, parallel, progress
 from gpt.shards import ShardLoader
@@ -572,13 +572,7 @@ def full_disk_runs(workdir, tmp_path_factory):
         started[failing] = (out_dir, saved, start_limited(command, workdir, room))
     runs = {}
     for failing, (out_dir, saved, proc) in started.items():
-        try:
-            stdout, stderr = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        runs[failing] = (out_dir, saved, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+        runs[failing] = (out_dir, saved, finished(proc, timeout=300))
     return runs
 
 
