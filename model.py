@@ -83,7 +83,15 @@ class RMSNorm(nn.RMSNorm):
         # Its scale in x's dtype, as autocast casts a Linear's weight: under autocast q and k come out of their
         # projections in bf16 while the scale stays fp32, and on that mismatch torch skips CUDA's fused kernel for
         # 8 separate ops, warning on every run. The statistics are computed in fp32 either way.
-        return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
+        return F.rms_norm(x, self.normalized_shape, in_dtype(self.weight, x.dtype), self.eps)
+
+
+def in_dtype(x, dtype):  # x in dtype: no op dispatched where it is already (each costs a decode step microseconds)
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def dropout(config):  # no dropout, no module that dispatches an op doing nothing
+    return nn.Dropout(config.dropout) if config.dropout else nn.Identity()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -92,10 +100,11 @@ class RMSNorm(nn.RMSNorm):
 
 class Positions:
     """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers;
-    and key_tokens (B, S), the token id at each position attention reads (the tokens themselves, or the cache's)."""
+    and key_tokens (B, S), the token id at each position attention reads (the tokens themselves, or the cache's);
+    newest: whether the tokens are the last of the keys attention reads (a growing cache's, or no cache)."""
 
-    def __init__(self, ids, head_dim, base, key_tokens=None):
-        self.ids, self.key_tokens = ids, key_tokens
+    def __init__(self, ids, head_dim, base, key_tokens=None, newest=False):
+        self.ids, self.key_tokens, self.newest = ids, key_tokens, newest
         inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
         angles = (ids[:, None] * inv_freq).repeat(1, 2)[:, None, :]  # (T, 1, hd): pair i's angle at i and i + hd/2
         self.cos, self.sin = angles.cos(), angles.sin()  # fp32 even under bf16 autocast: long contexts need it
@@ -104,8 +113,9 @@ class Positions:
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
     position: x cos + rotate_half(x) sin, where rotate_half(x) = (-x[i + hd/2], x[i])."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.addcmul(x.float() * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin).to(x.dtype)
+    x32 = in_dtype(x, torch.float32)  # (B, T, h, hd)
+    x1, x2 = x32.chunk(2, dim=-1)
+    return in_dtype(torch.addcmul(x32 * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin), x.dtype)
 
 
 def can_attend(query_pos, key_pos, config, layer, tokens):
@@ -120,12 +130,15 @@ def can_attend(query_pos, key_pos, config, layer, tokens):
 
 def attention(q, k, v, positions, config, layer, dropout_p=0.0):
     """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions.ids (T,), k and
-    v (B, n_kv, S, hd) at 0 .. S-1. S == T: the queries' own positions, where with no window the rule is is_causal."""
+    v (B, n_kv, S, hd) at 0 .. S-1. With no window the rule is key <= query: no mask to build for a whole sequence
+    (S == T, is_causal) or for one new token after its cache (it sees every key)."""
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
-    causal = config.window == 0 and T == S  # a whole sequence: is_causal, no mask to build
-    mask = None if causal else can_attend(positions.ids[:, None], torch.arange(S, device=q.device), config, layer,
-                                          positions.key_tokens)  # (T, S), or (B, 1, T, S) from a rule of the tokens
+    plain_causal = config.window == 0  # the rule of can_attend here: a rule edited to hide more joins this condition
+    causal = plain_causal and T == S  # a whole sequence: is_causal
+    sees_all = plain_causal and T == 1 and positions.newest  # one token after its growing cache
+    mask = None if causal or sees_all else can_attend(positions.ids[:, None], torch.arange(S, device=q.device), config,
+                                                      layer, positions.key_tokens)  # (T, S), or (B, 1, T, S)
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
@@ -193,7 +206,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * self.head_dim, bias=config.bias)
         self.o_proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = dropout(config)
         self.q_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()  # one for all heads (Qwen3)
         self.k_norm = norm(self.head_dim, config) if config.qk_norm else nn.Identity()
 
@@ -222,7 +235,7 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(config.n_embd, width, bias=config.bias)
         self.up_proj = nn.Linear(config.n_embd, width, bias=config.bias)
         self.down_proj = nn.Linear(width, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = dropout(config)
 
     def forward(self, x):
         if self.kind == "swiglu":
@@ -252,7 +265,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = dropout(config)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = norm(config.n_embd, config)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -299,7 +312,7 @@ class GPT(nn.Module):
                              f"overflow: {start} cached + {T} new tokens > max_len {end}; make a larger new_kv_cache")
         ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
         key_tokens = idx if kv_cache is None else kv_cache.update_tokens(idx, ids)  # (B, S)
-        return Positions(ids, self.config.head_dim, self.config.rope_base, key_tokens)
+        return Positions(ids, self.config.head_dim, self.config.rope_base, key_tokens, newest=input_pos is None)
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None, loss_chunk=0):
         """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;
