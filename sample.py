@@ -25,7 +25,7 @@ from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source
 from gpt.device import resolve_device, resolve_dtype
-from gpt.engine import Samples, compiles_by_default, decode_batch
+from gpt.engine import Samples, compiles_by_default, decode_batch, graphs_by_default
 from gpt.tokenizer import Tokenizer
 from gpt.sampling import check_sampling
 
@@ -46,6 +46,8 @@ DEFAULTS = dict(
                     # (gpt/quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (kept on disk); None: where it pays (engine.compiles_by_default)
+    cuda_graph=None,  # replay the eager decode step as a CUDA graph, no compiler; None: on CUDA for a float model not
+                      # compiled (engine.graphs_by_default); on a CPU, True runs the same static-cache step eagerly
     draft="",  # for speculative decoding, a smaller model (out_dir, .pt, hf:path) with the same tokenizer, or "lookup"
     draft_k=4,  # tokens the draft proposes per step
 )
@@ -85,8 +87,12 @@ def check_settings(settings):
         check_sampling(settings["temperature"], settings["top_k"], settings["top_p"])
     except ValueError as e:
         raise UserError(str(e)) from None
-    if settings["compile"] not in (None, True, False):
-        raise UserError(f"compile must be True or False, got {settings['compile']!r}")
+    for name in ("compile", "cuda_graph"):
+        if settings[name] not in (None, True, False):
+            raise UserError(f"{name} must be True or False, got {settings[name]!r}")
+    if settings["cuda_graph"] and (settings["compile"] or settings["draft"] or settings["no_kv_cache"]):
+        raise UserError("cuda_graph=True is for plain cached decoding, not compiled: drop --compile=True, --draft or "
+                        "--no_kv_cache (compiled on CUDA, the step replays as CUDA graphs already)")
     if settings["draft_k"] < 1:
         raise UserError(f"draft_k must be at least 1, got {settings['draft_k']}")
     stop = settings["stop"]
@@ -142,7 +148,7 @@ def main(argv):
 
 def load_models(source, settings, device, dtype):
     """The model, the draft model (None without one, or with draft=lookup) and the tokenizer, quantized as asked;
-    settings["compile"] decided (None: compiles_by_default)."""
+    settings["cuda_graph"] and settings["compile"] decided (None: graphs_by_default, then compiles_by_default)."""
     quantize = None
     if settings["quantize"]:
         from gpt.quantize import check_quantize, quantize
@@ -150,6 +156,14 @@ def load_models(source, settings, device, dtype):
     model, meta, dataset = load_run(source, device, dtype)
     if quantize:
         quantize(model, settings["quantize"])
+    if settings["cuda_graph"] is None:
+        settings["cuda_graph"] = (settings["compile"] is None and not settings["draft"] and not settings["no_kv_cache"]
+                                  and graphs_by_default(model))
+        if settings["cuda_graph"]:
+            print("note: decoding replays the eager step as a CUDA graph (captured in about a second, no compiler; "
+                  "--compile=True compiles it instead: 1-2 minutes the first time)", file=sys.stderr)
+    if settings["compile"] is None and settings["cuda_graph"]:
+        settings["compile"] = False
     if settings["compile"] is None:  # speculative decoding with a draft model, and uncached decoding, compile nothing
         settings["compile"] = (settings["draft"] in ("", LOOKUP) and not settings["no_kv_cache"]
                                and compiles_by_default(model))

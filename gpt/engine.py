@@ -145,6 +145,53 @@ def compiles_by_default(model):
     return device_of(model).type in ("cpu", "cuda") and (int8 or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
 
 
+def graphs_by_default(model):
+    """Whether sample.py replays the eager decode step as a CUDA graph by default: on CUDA, for float weights (int8's
+    eager step makes a float copy of every weight, so int8 compiles)."""
+    return device_of(model).type == "cuda" and not any(t.dtype == torch.int8 for t in model.state_dict().values())
+
+
+def cuda_graph_step(step=decode_step):
+    """step(model, tokens, cache, input_pos), captured in a CUDA graph at its first call and replayed at every later
+    one: an eager step's hundreds of kernels launched as one, and no compiler. A graph reads and writes the addresses
+    it recorded, so every call must pass the same tensors (new tokens and positions copied into them, a slide's
+    refill copied into the same cache): a call with another raises. On a CPU the step runs eagerly, with that check."""
+    recorded, graph, logits = None, None, None
+
+    def replay(model, tokens, cache, input_pos):
+        nonlocal recorded, graph, logits
+        addresses = [t.data_ptr() for t in (tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids)]
+        if recorded is None:
+            recorded = addresses
+            if tokens.is_cuda:
+                graph, logits = capture(lambda: step(model, tokens, cache, input_pos))
+        elif addresses != recorded:
+            raise RuntimeError("a CUDA graph's input moved: the decode step must be given the tensors it was captured "
+                               "with (copy new values into them)")
+        if graph is None:
+            return step(model, tokens, cache, input_pos)
+        graph.replay()
+        return logits  # (B, V), the graph's own tensor: rewritten by the next replay
+
+    return replay
+
+
+def capture(step):
+    """A CUDA graph of step() and its output, captured as torch's docs ask: warmed up on a side stream first (cuBLAS
+    and SDPA set up their workspaces there, not inside the graph). The warm-up runs the step for real: a decode step
+    writes its token's keys and values into its own cache slot, as the first replay then does again."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output
+
+
 def cpu_kernels(model, rows, compiled=False):
     """On a CPU, kernels.decode_linears (the matrix kernels chosen for this CPU); elsewhere nothing changes."""
     if device_of(model).type != "cpu":
@@ -156,7 +203,8 @@ def cpu_kernels(model, rows, compiled=False):
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
     """Decode num_samples continuations of the prompt together, one token per step (no_kv_cache: recomputing the whole
-    context); samples that end leave the batch, except compiled: a smaller batch would be a new shape to compile."""
+    context); samples that end leave the batch, except on a static cache (compiled, or a CUDA graph): a smaller batch
+    would be a new shape to compile or capture."""
     with cpu_kernels(model, settings["num_samples"], compiled=settings["compile"] and not settings["no_kv_cache"]):
         decode_loop(model, prompt_ids, settings, samples, generator)
 
@@ -166,16 +214,20 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     n, block_size, device = settings["num_samples"], model.config.block_size, device_of(model)
     vocab_size = samples.tokenizer.vocab_size
     compiled = settings["compile"] and not settings["no_kv_cache"]
+    static = bool(compiled or settings.get("cuda_graph")) and not settings["no_kv_cache"]  # one step shape, replayed
     if compiled:
         from gpt.kernels import use_compile_cache
         use_compile_cache()  # compiled once per machine: a later run loads the kernels
         step_fn = compile_decode_step(device)
+    elif static:
+        step_fn = cuda_graph_step()
+    if static:
         step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    max_len = len(prompt_ids) + settings["max_new_tokens"]
-    max_len = compiled_cache_length(max_len, block_size) if compiled else min(block_size, max_len)
+    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
+    max_len = compiled_cache_length(max_len, block_size) if compiled else max_len
     contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
-    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, compiled)
-    if compiled:  # eager: this batch of 1 would be a second shape to compile
+    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, static)
+    if static:  # eager: this batch of 1 would be a second shape to compile or capture
         logits = decode_step(model, tokens, cache, torch.tensor([cache.pos], device=device)).expand(n, -1)
         cache.pos += 1
     else:
@@ -186,7 +238,7 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
     if compiled:  # the step writes these tensors in place; a graph replays only on the addresses it recorded
         for buffer in (cache.k, cache.v, cache.tokens):
             torch._dynamo.mark_static_address(buffer)
-    rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (compiled only)
+    rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
     for step in range(settings["max_new_tokens"]):
         tokens = next_tokens(logits, settings, vocab_size, generator)  # (B, 1)
         contexts = torch.cat([contexts, tokens], dim=1)  # (B, T + 1)
@@ -195,20 +247,20 @@ def decode_loop(model, prompt_ids, settings, samples, generator):
                 rows[i] = None
         if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no unused forward pass
             break
-        if None in rows and not compiled:  # finished samples stop costing work
+        if None in rows and not static:  # finished samples stop costing work
             alive = [i for i, row in enumerate(rows) if row is not None]
             rows, contexts, tokens = [rows[i] for i in alive], contexts[alive], tokens[alive]
             if cache is not None:
                 cache.select_rows(alive)
         if cache is not None and cache.pos == block_size:  # the context is full: slide the window
-            refilled, tokens = prefill(model, slide(contexts, block_size), block_size, compiled)
-            if compiled:  # into the same tensors, which keep their static addresses
+            refilled, tokens = prefill(model, slide(contexts, block_size), block_size, static)
+            if static:  # into the same tensors, which keep their static addresses
                 for name in ("k", "v", "tokens"):
                     getattr(cache, name).copy_(getattr(refilled, name))
                 cache.pos = refilled.pos
             else:
                 cache = refilled
-        if compiled:  # the same two input tensors every step: a slice of contexts has other strides to guard on
+        if static:  # the same two input tensors every step: a slice of contexts has other strides to guard on
             step_tokens.copy_(tokens)
             input_pos.fill_(cache.pos)
             logits = step_fn(model, step_tokens, cache, input_pos)

@@ -1,7 +1,7 @@
 """Tests for engine.py and speculative.py beyond what sample.py's end-to-end tests show: speculative sampling follows
 the target model's distribution (a chi-square test over many steps), each speculative step leaves both KV caches
-holding exactly the accepted tokens, when a model compiles by default, compiled steps of two models stay apart, a
-float16 CPU step's attention kernel, and prompt lookup's proposals."""
+holding exactly the accepted tokens, when a model compiles by default, compiled steps of two models stay apart, the
+CUDA-graph step's logic (on the CPU), a float16 CPU step's attention kernel, and prompt lookup's proposals."""
 
 import copy
 import math
@@ -216,6 +216,74 @@ def test_compiled_steps_of_models_of_the_same_shapes_each_decode_their_own_text(
     torch._dynamo.reset()
     assert texts[0, False] != texts[2, False]  # the window changes the text: the test can tell the graphs apart
     assert texts[0, True] == texts[0, False] and texts[2, True] == texts[2, False]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The CUDA-graph step (sample.py's default on CUDA), its logic on the CPU: the same static step, run eagerly
+
+
+def test_a_float_model_replays_cuda_graphs_by_default_on_cuda_only():
+    """engine.graphs_by_default: on CUDA (FakeTensorMode's CUDA tensors, as above) for float weights; not on a CPU or
+    elsewhere, and not for int8 weights, whose eager step makes a float copy of every weight (they compile)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gpt.quantize import quantize
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+    assert not engine.graphs_by_default(GPT(config))
+    with torch.device("meta"):
+        on_meta, on_cuda = GPT(config), GPT(config)
+    assert not engine.graphs_by_default(on_meta)
+    int8_on_cuda = quantize(GPT(config), "int8")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_cuda.to_empty(device="cuda")
+        int8_on_cuda.to_empty(device="cuda")
+        assert engine.graphs_by_default(on_cuda)
+        assert engine.device_of(int8_on_cuda).type == "cuda" and not engine.graphs_by_default(int8_on_cuda)
+
+
+def graph_settings(n, cuda_graph):
+    return dict(num_samples=n, max_new_tokens=30, temperature=0.0, top_k=None, top_p=None, no_kv_cache=False,
+                compile=False, cuda_graph=cuda_graph)
+
+
+def test_a_graphed_decode_reads_and_writes_the_same_tensors_every_step_and_decodes_plain_greedy_text(monkeypatch):
+    """A CUDA graph replays on the addresses it was captured with: every tensor the step reads or writes (its two
+    inputs, the cache's keys, values and token ids, the model's weights) must keep its address at every step, across
+    the sliding window's refill too (4 prompt tokens + 30 new ones pass block_size 16 twice); and the text is plain
+    decoding's, token for token, for each of 2 samples."""
+    from gpt.tokenizer import Tokenizer, char_meta
+    tokenizer, steps = Tokenizer(char_meta("abcdefgh")), []
+    model = random_gpt(0, 1.0)
+    original = engine.cuda_graph_step
+
+    def recording(model, tokens, cache, input_pos):
+        tensors = [tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids, *model.parameters()]
+        steps.append([t.data_ptr() for t in tensors])
+        return engine.decode_step(model, tokens, cache, input_pos)
+
+    monkeypatch.setattr(engine, "cuda_graph_step", lambda: original(step=recording))
+    texts = {}
+    for cuda_graph in (True, False):
+        samples = engine.Samples(2, tokenizer, [], stream=False)
+        engine.decode_batch(model, [1, 2, 3, 4], graph_settings(2, cuda_graph), samples, torch.Generator())
+        texts[cuda_graph] = samples.texts
+    assert len(steps) == 29  # 30 tokens: the first from an eager step (batch 1, before the prompt's cache is shared)
+    assert all(addresses == steps[0] for addresses in steps), "a tensor of the graphed step moved between steps"
+    assert texts[True] == texts[False] and len(texts[True][0]) == 30 and len(set(texts[True][0])) > 1
+
+
+def test_a_graphed_step_given_a_tensor_it_was_not_captured_with_raises():
+    """What a new cache tensor after capture would do on CUDA (the graph writing the old one, silently): here, an
+    error at the next call."""
+    model = random_gpt(0, 1.0)
+    cache, tokens = engine.prefill(model, torch.tensor([[1, 2, 3]]), 8, static=True)
+    step, input_pos = engine.cuda_graph_step(), torch.tensor([cache.pos])
+    with torch.inference_mode():
+        expected = step(model, tokens, cache, input_pos)
+        torch.testing.assert_close(step(model, tokens, cache, input_pos), expected)  # the same tensors: runs again
+        cache.k = cache.k.clone()
+        with pytest.raises(RuntimeError, match="input moved"):
+            step(model, tokens, cache, input_pos)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -418,6 +418,9 @@ BAD_INPUTS = {  # name: (arguments, words the message must contain)
     "prompt_longer_than_block_size": ([f"--prompt={'a' * BLOCK}"], [f"{BLOCK} tokens", f"block_size={BLOCK}"]),
     "missing_prompt_file": (["--prompt=FILE:/nonexistent/prompt.txt"], ["/nonexistent/prompt.txt"]),
     "bad_dtype": (["--dtype=float8"], ["dtype", "float8"]),
+    "cuda_graph_text": (["--cuda_graph=yes"], ["cuda_graph", "yes"]),
+    "cuda_graph_and_compile": (["--cuda_graph=True", "--compile=True"], ["cuda_graph=True", "--compile=True"]),
+    "cuda_graph_and_draft": (["--cuda_graph=True", "--draft=lookup"], ["cuda_graph=True", "--draft"]),
 }
 
 
