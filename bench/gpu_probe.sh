@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# What a GPU owner waits for, at the GPT-2 124M shape on one GPU, in ~6 minutes (bench/RESULTS.md has its runs):
+#   train.py ms/iter, tokens/s, MFU at batch 16 and 64 (compiled), and at 16 with the loss on whole logits;
+#   sample.py's time to its first token and tokens/s eager, by default (a CUDA graph of the eager step), and with
+#   --compile=True on a cold and a warm inductor cache. Run from the repo root: bash bench/gpu_probe.sh [> log]
+# SAMPLE_ONLY=1: sample.py's rows alone (~3 minutes), on a checkpoint of 2 eager iterations.
+# DEV=cpu SHAPE="..." BATCHES=2 tries its plumbing on a CPU with a tiny shape.
+W=$(mktemp -d); export GPT_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 DEV=${DEV:-cuda}   # sample.py's compile cache starts cold
+PY=$(command -v python3 || command -v python)
+SHAPE=${SHAPE:-"--n_layer=12 --n_head=12 --n_kv_head=4 --n_embd=768 --block_size=1024 --vocab_size=50304 --loss_chunk=8192"}
+BATCHES=${BATCHES:-"16 64"}; FIRST=${BATCHES%% *}
+$PY data/shakespeare_char/prepare.py >/dev/null
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null
+$PY -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])"; git log -1 --oneline 2>/dev/null
+train() {  # $1: batch, $2: out_dir name, the rest: more settings. A log (a sync) every 5 iters.
+  local B=$1 D=$2; shift 2; local t=$(date +%s)
+  $PY train.py --dataset=shakespeare_char $SHAPE --batch_size=$B --max_iters=20 --eval_interval=20 --eval_iters=2 \
+    --log_interval=5 --warmup_iters=5 --compile=True --overwrite=True --device=$DEV --out_dir=$W/$D "$@" >$W/$D.log 2>&1
+  $PY -c "import json; r=[json.loads(l) for l in open('$W/$D/metrics.jsonl')]; t=[x for x in r if 'ms_per_iter' in x][1:]
+f=next(x for x in r if 'first_step_s' in x); print(f'train $D (batch $B $*): {min(x[\"ms_per_iter\"] for x in t):.1f} ms/iter',
+ f'{max(x[\"tokens_per_sec\"] for x in t):,.0f} tokens/s, MFU {100*max(x.get(\"mfu\",0) for x in t):.1f}%,',
+ f'first step {f[\"first_step_s\"]:.1f} s, peak {max(x.get(\"peak_memory_gb\",0) for x in r):.1f} GB, whole run $(($(date +%s)-t)) s')" \
+    || tail -3 $W/$D.log
+}
+ttft() {  # $1: a label, the rest: the command. Time to the first streamed byte after the prompt, and sample.py's figures
+  $PY - "$@" <<'PYEOF'
+import hashlib, subprocess, sys, time; t = time.time(); p = subprocess.Popen(sys.argv[2:], stdout=-1, stderr=-1)
+head = p.stdout.read(7); first = time.time() - t; out, err = p.communicate()  # "ROMEO:" is 6 bytes, then a token
+text = hashlib.md5(head + out).hexdigest()[:8]  # the same text greedy on every path: the same digest, same length
+print(f"{sys.argv[1]}: first token {first:.1f} s, wall {time.time() - t:.1f} s, text {text} |",
+      err.decode().strip().splitlines()[-1])
+PYEOF
+}
+if [ "${SAMPLE_ONLY:-0}" = 1 ]; then  # a checkpoint to sample from, quickly: 2 eager iterations
+  $PY train.py --dataset=shakespeare_char $SHAPE --batch_size=$FIRST --max_iters=2 --eval_interval=2 --eval_iters=1 \
+    --compile=False --overwrite=True --device=$DEV --out_dir=$W/b$FIRST >$W/b$FIRST.log 2>&1 || tail -3 $W/b$FIRST.log
+else
+  train $FIRST b$FIRST
+fi
+S="$PY sample.py --out_dir=$W/b$FIRST --device=$DEV --prompt=ROMEO: --temperature=0"
+ttft sample-eager $S --compile=False --cuda_graph=False --max_new_tokens=100
+ttft sample-default $S --max_new_tokens=300
+GPT_CACHE_DIR=$W/cache2 ttft sample-compile-cold $S --max_new_tokens=300 --compile=True
+GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
+[ "${SAMPLE_ONLY:-0}" = 1 ] && exit
+for B in ${BATCHES#$FIRST}; do train $B b$B; done
+train $FIRST b${FIRST}_whole_loss --loss_chunk=0   # the head once, logits whole: what the chunked loss costs
