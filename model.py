@@ -320,15 +320,21 @@ class GPT(nn.Module):
         hidden = self.hidden_states(idx, kv_cache, input_pos)
         if targets is not None and loss_chunk:
             return None, self.chunked_loss(hidden.flatten(0, 1), targets.flatten(), loss_chunk)
-        logits = self.lm_head(hidden)  # the loss in fp32 whatever their dtype (FSDP's bf16 policy: no autocast)
+        logits = self.logits(hidden)  # the loss in fp32 whatever their dtype (FSDP's bf16 policy: no autocast)
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    def logits(self, hidden):
+        """Logits (..., vocab_size) of final hidden states (..., n_embd): the one way from hidden states to logits,
+        for forward, generate, the chunked loss and every command (sample.py, eval.py, the experiments): an edit here
+        (a soft cap, a temperature) reaches them all, and a quantized head keeps it."""
+        return self.lm_head(hidden)
 
     def chunked_loss(self, hidden, targets, chunk):  # hidden (N, C), targets (N,): the same loss in less memory
         """B x T x vocab logits are a step's largest tensors (13 GB in fp32 at GPT-2's vocab and 64 x 1024 tokens);
         here only chunk x vocab exist at once, each chunk's recomputed in the backward pass (one more head run)."""
         def loss_sum(h, t):
-            return F.cross_entropy(self.lm_head(h).float(), t, ignore_index=-1, reduction="sum")
+            return F.cross_entropy(self.logits(h).float(), t, ignore_index=-1, reduction="sum")
         return sum(checkpoint(loss_sum, hidden[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
                    for i in range(0, len(targets), chunk)) / (targets != -1).sum()
 
@@ -354,7 +360,7 @@ class GPT(nn.Module):
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
         for _ in range(max_new_tokens):
-            logits = self.lm_head(self.hidden_states(tokens[-1], kv_cache)[:, -1])  # (B, vocab_size)
+            logits = self.logits(self.hidden_states(tokens[-1], kv_cache)[:, -1])  # (B, vocab_size)
             tokens.append(sample_next_token(logits, temperature, top_k, top_p, generator))  # (B, 1)
         return torch.cat(tokens, dim=1)
 

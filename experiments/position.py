@@ -77,7 +77,7 @@ def equivariance_error(model, idx, perm, rope=True, mask=True):
     states (B, T, C): 0 up to rounding exactly when the model is permutation-equivariant."""
     with positions_and_mask(rope, mask):
         hidden, hidden_of_permuted = model.hidden_states(idx), model.hidden_states(idx[:, perm])  # (B, T, C)
-    logits, logits_of_permuted = model.lm_head(hidden), model.lm_head(hidden_of_permuted)  # (B, T, V)
+    logits, logits_of_permuted = model.logits(hidden), model.logits(hidden_of_permuted)  # (B, T, V)
     return dict(hidden=(hidden_of_permuted - hidden[:, perm]).abs().max().item(),
                 logits=(logits_of_permuted - logits[:, perm]).abs().max().item())
 

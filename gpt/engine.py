@@ -103,14 +103,14 @@ def chunk_logits(model, tokens, cache, input_pos):
     """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: one token for
     decode_step, or a speculative step's check of T - 1 proposed tokens."""
     with decode_attention(model):
-        return model.lm_head(model.hidden_states(tokens, cache, input_pos))
+        return model.logits(model.hidden_states(tokens, cache, input_pos))
 
 
 def last_logits(model, tokens, cache):
     """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T)."""
     if cache is None:
         tokens = tokens[:, -model.config.block_size:]
-    return model.lm_head(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
+    return model.logits(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
 # On CUDA: CUDA graphs (eager, a step is hundreds of kernel launches) and gpt-fast's coordinate-descent tuning, with

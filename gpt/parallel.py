@@ -165,7 +165,7 @@ def agree_to_stop(stop_signal, device):
 @contextlib.contextmanager
 def whole_root(model):
     """Under FSDP, the root's parameters (embedding, final norm, head) gathered while in the block: code that calls
-    the model's parts instead of its forward (the engine's scorers call hidden_states and lm_head) needs them.
+    the model's parts instead of its forward (the engine's scorers call hidden_states and logits) needs them.
     (FSDP happens to leave the root gathered after a forward pass, and estimate_loss runs one first; that is its
     internal choice, not promised.) Every rank must enter it; the root is sharded again on the way out."""
     if isinstance(model, FSDPModule):

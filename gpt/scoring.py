@@ -15,7 +15,7 @@ from gpt.engine import device_of, prefill
 def target_logprobs(model, hidden, targets):
     """log p(target) (N,) float32 for hidden states (N, C) and their next tokens targets (N,), and the most likely
     next tokens (N,): the output head runs on these positions only, where most of a long window's memory would go."""
-    logits = model.lm_head(hidden).float()
+    logits = model.logits(hidden).float()
     return -F.cross_entropy(logits, targets, reduction="none"), logits.argmax(-1)
 
 
@@ -94,7 +94,7 @@ def scores(model, hidden, targets):
     """(sum of log p(target), all targets the argmax) per row of hidden states (B, T, C) and targets (B, T; -1:
     none). The output head runs on the positions with a target only: most of a padded batch's are not."""
     mask = targets >= 0
-    logits = model.lm_head(hidden[mask]).float()  # (K, V): the K positions with a target
+    logits = model.logits(hidden[mask]).float()  # (K, V): the K positions with a target
     logprobs, greedy = torch.zeros(targets.shape, device=hidden.device), torch.ones_like(mask)
     logprobs[mask] = -F.cross_entropy(logits, targets[mask], reduction="none")
     greedy[mask] = logits.argmax(-1) == targets[mask]

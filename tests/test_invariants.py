@@ -27,6 +27,7 @@ import copy
 import functools
 import math
 import os
+import re
 from dataclasses import asdict, fields, replace
 
 import pytest
@@ -461,14 +462,18 @@ def greedy_settings(max_new_tokens, draft_k=3):
 
 
 @torch.no_grad()
-def naive_greedy_sliding(model, prompt, n):
+def naive_greedy_sliding(model, prompt, n, logits=None):
     """Greedy by recomputing the whole context every step, with the engine's documented window policy: when
-    the context would pass block_size, it restarts from its last block_size // 2 tokens."""
+    the context would pass block_size, it restarts from its last block_size // 2 tokens. logits: a list that gets
+    each step's logits (V,)."""
     context, out = list(prompt), []
     for _ in range(n):
         if len(context) > model.config.block_size:
             context = context[-(model.config.block_size // 2):]
-        out.append(int(model(torch.tensor([context], device=device_of(model)))[0][0, -1].argmax()))
+        step_logits = model(torch.tensor([context], device=device_of(model)))[0][0, -1]
+        if logits is not None:
+            logits.append(step_logits)
+        out.append(int(step_logits.argmax()))
         context.append(out[-1])
     return out
 
@@ -504,6 +509,91 @@ def test_speculative_greedy_equals_plain_greedy(name, device):
                                                        torch.Generator(device).manual_seed(0))
         assert spec.tokens[0] == expected
         assert (accepted == proposed) == all_accepted and proposed > 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Every path to logits is model.logits: an edit there (Gemma 2's soft cap) reaches generate, sample.py and eval.py
+
+CAP = 2.0  # far inside the random models' logits (up to ~10): a path that skips the cap shows at once
+
+
+def recording(monkeypatch, module, name):
+    """Record the logits (the first argument) of every call of module.name, which goes on as before."""
+    calls, original = [], getattr(module, name)
+
+    def record(logits, *args, **kwargs):
+        calls.append(logits.detach().clone())
+        return original(logits, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, record)
+    return calls
+
+
+def assert_capped_and_equal(actual, expected, path):
+    """A path's logits went through the capped model.logits (none past CAP) and are the full forward's."""
+    assert actual.abs().max() <= CAP * (1 + 1e-6), f"{path}: logits past the cap: computed without model.logits"
+    error = max_error(actual, expected)
+    assert error < TOL, f"{path}: logits differ from the full forward's by {error:.3g} (max |logit|)"
+
+
+def test_no_code_outside_model_py_calls_the_head():
+    """model.logits is the one way from hidden states to logits: a call of lm_head anywhere else would skip an edit
+    of it (reading lm_head.weight, as export and experiments/kv_cache.py do, is not a call)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    callers = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not name.startswith(".") and name != "tests"]  # .venv, .git
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".py") and path != os.path.join(root, "model.py"):
+                with open(path, encoding="utf-8") as f:
+                    callers += [f"{path}:{n}" for n, line in enumerate(f, 1) if re.search(r"lm_head\s*\(", line)]
+    assert not callers, f"logits computed outside model.logits: {callers}"
+
+
+@pytest.mark.parametrize("name", ["swiglu_gqa_qknorm_tied", "window_mqa_relu2_bias", "gelu_mha_untied"])
+@torch.no_grad()
+def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
+    """With model.logits edited (a soft cap), the logits that generate, the engine's decoding (a growing cache, the
+    static cache of compiled and CUDA-graph steps, batched samples, the sliding window), prompt lookup's speculative
+    checks and eval.py's scorers use are each capped and equal to a full forward's: not only their greedy tokens,
+    which a monotone edit of the logits never changes."""
+    from gpt import sampling, scoring
+    original = GPT.logits
+    monkeypatch.setattr(GPT, "logits", lambda self, hidden: CAP * torch.tanh(original(self, hidden) / CAP))
+    model = build(name, device)
+    vocab, block = model.config.vocab_size, model.config.block_size
+
+    generated = recording(monkeypatch, sampling, "sample_next_token")
+    prompt = tokens(model, (2, 6), seed=7)
+    out = model.generate(prompt, 10, temperature=0.0)
+    assert_capped_and_equal(torch.stack(generated, 1), model(out)[0][:, 5:15], "generate")
+
+    prompt, n = tokens(model, (5,), seed=8).tolist(), block + 5  # past block_size: the window slides
+    expected = []
+    naive_greedy_sliding(model, prompt, n, expected)
+    expected = torch.stack(expected)  # (n, V)
+    for path, settings in (("decode_batch", {}), ("decode_batch, static cache", dict(cuda_graph=True))):
+        decoded = recording(monkeypatch, engine, "next_tokens")
+        engine.decode_batch(model, prompt, dict(greedy_settings(n), num_samples=2, **settings),
+                            RecordingSamples(2, vocab), torch.Generator(device).manual_seed(0))
+        for row in range(2):
+            assert_capped_and_equal(torch.stack([logits[row] for logits in decoded]), expected, f"{path}, sample {row}")
+    checked = recording(monkeypatch, speculative, "next_tokens")
+    speculative.decode_lookup(model, prompt, greedy_settings(n), RecordingSamples(1, vocab), torch.Generator(device))
+    assert_capped_and_equal(torch.cat(checked)[:n], expected, "prompt lookup's checks")
+
+    # eval.py's scorers, by log-probabilities: a cap skipped changes every one of them
+    text = tokens(model, (block + 9,), seed=9)  # longer than a window: token_logprobs slides
+    logprobs = torch.log_softmax(model(text[None, :block])[0][0].float(), -1)  # the first window's (block, V)
+    expected = logprobs[:-1].gather(1, text[1:block, None])[:, 0].cpu()  # log p(text[i + 1] | text[:i + 1])
+    assert (scoring.token_logprobs(model, text)[:block - 1] - expected).abs().max() < 1e-4, "token_logprobs"
+    continuations = [text[6:9].tolist(), text[6:12].tolist()]
+    logprobs = torch.log_softmax(model(text[None, :12])[0][0].float(), -1)  # (12, V)
+    for (actual, _), continuation in zip(scoring.continuation_logprobs(model, text[:6].tolist(), continuations),
+                                         continuations):
+        expected = sum(logprobs[5 + i, token].item() for i, token in enumerate(continuation))
+        assert abs(actual - expected) < 1e-4, ("continuation_logprobs", actual, expected)
 
 
 # ----------------------------------------------------------------------------------------------------
