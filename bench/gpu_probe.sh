@@ -37,8 +37,13 @@ if [ "${SAMPLE_ONLY:-0}" = 1 ]; then  # a checkpoint to sample from, quickly: 2 
 else
   train $FIRST b$FIRST
 fi
-S="$PY sample.py --out_dir=$W/b$FIRST --device=$DEV --prompt=ROMEO: --temperature=0"
+A="--out_dir=$W/b$FIRST --device=$DEV --prompt=ROMEO: --temperature=0"; S="$PY sample.py $A"
 ttft sample-eager $S --compile=False --cuda_graph=False --max_new_tokens=100
+# eager again without SDPA's cuDNN kernels: a lead for eager's 14 tokens/s (cuDNN builds a plan per new key length)
+NO_CUDNN="import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'sample.py'; \
+runpy.run_path('sample.py', run_name='__main__')"
+ttft sample-eager-no-cudnn $PY -c "$NO_CUDNN" $A --compile=False --cuda_graph=False --max_new_tokens=100
+ttft sample-default-no-cudnn $PY -c "$NO_CUDNN" $A --max_new_tokens=300
 ttft sample-default $S --max_new_tokens=300
 GPT_CACHE_DIR=$W/cache2 ttft sample-compile-cold $S --max_new_tokens=300 --compile=True
 GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
