@@ -25,7 +25,7 @@ from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source
 from gpt.device import resolve_device, resolve_dtype
-from gpt.engine import Samples, compiles_by_default, decode_batch, graphs_by_default
+from gpt.engine import Samples, chosen_kernels_note, compiles_by_default, decode_batch, graphs_by_default
 from gpt.tokenizer import Tokenizer
 from gpt.sampling import check_sampling
 
@@ -131,9 +131,6 @@ def main(argv):
 
     samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
     print(prompt, end="", flush=True)
-    kernels = None
-    if device.startswith("cpu"):  # each decode step's matrix kernel is chosen for this CPU (gpt/kernels.py)
-        from gpt import kernels  # imported before the clock starts; the choice is said after the text
     start = time.perf_counter()
     acceptance = decode(model, draft, prompt_ids, settings, samples, device)
     seconds = time.perf_counter() - start
@@ -141,8 +138,9 @@ def main(argv):
         print(SEPARATOR + prompt + text, end="")
     ends_line = (prompt + samples.texts[-1]).endswith("\n")  # e.g. after a stop string that ends with one
     print("" if ends_line else "\n", end="", flush=True)  # before the lines on stderr, which is not buffered
-    if kernels:
-        print(kernels.chosen_note(), file=sys.stderr)
+    kernels_note = chosen_kernels_note()  # on a CPU, compiled or int8: the matrix kernels chosen (gpt/kernels.py)
+    if kernels_note:
+        print(kernels_note, file=sys.stderr)
     print(speed_line(samples, seconds, settings["num_samples"], acceptance), file=sys.stderr)
 
 

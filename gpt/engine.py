@@ -2,6 +2,7 @@
 evaluation. Speculative decoding is speculative.py's, scoring given tokens scoring.py's, settings sample.py's."""
 
 import contextlib
+import sys
 import time
 import types
 
@@ -139,16 +140,18 @@ def compiled_cache_length(positions, block_size):
 
 def compiles_by_default(model):
     """Whether sample.py compiles the decode step by default (not on MPS: the repo doesn't test torch.compile there)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    int8 = any(t.dtype == torch.int8 for t in tensors)
-    return device_of(model).type in ("cpu", "cuda") and (int8 or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # tied once
+    return device_of(model).type in ("cpu", "cuda") and (int8_weights(model) or weight_bytes > COMPILE_BY_DEFAULT_BYTES)
+
+
+def int8_weights(model):  # --quantize's (gpt/quantize.py)
+    return any(t.dtype == torch.int8 for t in model.state_dict().values())
 
 
 def graphs_by_default(model):
     """Whether sample.py replays the eager decode step as a CUDA graph by default: on CUDA, for float weights (int8's
     eager step makes a float copy of every weight, so int8 compiles)."""
-    return device_of(model).type == "cuda" and not any(t.dtype == torch.int8 for t in model.state_dict().values())
+    return device_of(model).type == "cuda" and not int8_weights(model)
 
 
 def cuda_graph_step(step=decode_step):
@@ -193,11 +196,18 @@ def capture(step):
 
 
 def cpu_kernels(model, rows, compiled=False):
-    """On a CPU, kernels.decode_linears (the matrix kernels chosen for this CPU); elsewhere nothing changes."""
-    if device_of(model).type != "cpu":
+    """On a CPU, for a compiled step or int8 weights, kernels.decode_linears (the matrix kernels chosen for this CPU);
+    elsewhere nothing changes (an eager float step runs torch's own, what config/small.py's model chooses anyway)."""
+    if device_of(model).type != "cpu" or not (compiled or int8_weights(model)):
         return contextlib.nullcontext()
     from gpt.kernels import decode_linears  # here, where the choice is made
     return decode_linears(model, rows, compiled)
+
+
+def chosen_kernels_note():
+    """gpt/kernels.py's one line on the kernels this process chose, or None where it chose none."""
+    kernels = sys.modules.get("gpt.kernels")  # imported by cpu_kernels where it chose
+    return kernels.chosen_note() if kernels and kernels.choices else None
 
 
 @torch.inference_mode()

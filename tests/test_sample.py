@@ -268,17 +268,23 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
 
 
 def test_on_a_cpu_the_kernels_chosen_are_said_in_one_line_before_the_speed(ckpts, capsys, monkeypatch, device):
-    """The matrix kernel of each decode step is chosen for the CPU (kernels.py): stderr names it, and the file that
-    keeps the choice, in one line; off a CPU nothing is chosen and nothing is said."""
+    """Where a CPU decode step is compiled or its weights are int8, each step's matrix kernel is chosen for the CPU
+    (kernels.py): stderr names it, and the file that keeps the choice, in one line. A float model decoding eager runs
+    torch's own: nothing chosen, nothing said, nothing written to the cache folder; off a CPU, never."""
     from gpt import kernels
     monkeypatch.setattr(kernels, "choices", {})  # this run's choices only, not those of earlier runs in this process
+    kept = os.path.join(kernels.cache_dir(), "kernels.json")
+    before = os.path.getmtime(kept) if os.path.exists(kept) else None
     err = greedy(capsys, ckpts, PROMPT, 10).err.strip().splitlines()
+    assert SPEED.match(err[-1]) and not any("decode kernels" in line for line in err) and not kernels.choices, err
+    assert (os.path.getmtime(kept) if os.path.exists(kept) else None) == before
+    err = greedy(capsys, ckpts, PROMPT, 10, "--quantize=int8", "--compile=False").err.strip().splitlines()
     notes = [line for line in err if "decode kernels" in line]
     assert SPEED.match(err[-1]) and len(notes) == (device == "cpu"), err
     if device == "cpu":
         assert err[-2] == notes[0] and notes[0].startswith("note: decode kernels chosen for this CPU: "), err
         assert kernels.choices and all(name in notes[0] for name in kernels.choices.values())
-        assert notes[0].endswith(f"(kept in {os.path.join(kernels.cache_dir(), 'kernels.json')})")
+        assert notes[0].endswith(f"(kept in {kept})")
 
 
 def test_top_k_1_a_tiny_top_p_and_a_tiny_temperature_are_greedy(ckpts, capsys):
