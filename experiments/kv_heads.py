@@ -15,6 +15,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import sys
 import time
 
@@ -32,11 +33,17 @@ RUNS = [("kv4", 4, 1337), ("kv2", 2, 1337), ("kv1", 1, 1337), ("kv4-seed2", 4, 1
 
 
 def train_run(config, out_dir, n_kv_head, seed, overrides):
-    """Train config with n_kv_head and seed into out_dir (its printout kept out of the table); wall seconds."""
+    """Train config with n_kv_head and seed into out_dir (its printout kept out of the table); wall seconds. A signal
+    that stopped the run (train.py saved and returned) ends the script, with the shell's status for it, as compare.py
+    does: the runs after it would not hear it."""
     start = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()):
-        train.main([config, f"--out_dir={out_dir}", f"--n_kv_head={n_kv_head}", f"--seed={seed}", "--overwrite",
-                    *overrides])
+        stopped_by = train.main([config, f"--out_dir={out_dir}", f"--n_kv_head={n_kv_head}", f"--seed={seed}",
+                                 "--overwrite", *overrides])
+    if stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by).name} during {os.path.basename(out_dir)}; its checkpoint is in "
+              f"{out_dir}", file=sys.stderr)
+        sys.exit(128 + stopped_by)
     return time.perf_counter() - start
 
 

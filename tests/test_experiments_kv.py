@@ -142,3 +142,15 @@ def test_every_experiment_starts_as_a_script(scripts, script):
     once failed there, importing bench/ modules as top-level ones): --help exits 0 with its usage."""
     result = finished(scripts[script], timeout=120)
     assert result.returncode == 0 and result.stdout.startswith(f"usage: {script}.py"), result.stderr
+
+
+def test_kv_heads_stops_at_the_first_signal_with_the_shells_status(monkeypatch, tmp_path, capsys):
+    """A Ctrl-C or SIGTERM during a training (train.main saves and returns the signal) ends kv_heads.py there, as
+    compare.py does, with 128 + the signal's number: the runs after it would not hear the signal."""
+    import signal
+    calls = []
+    monkeypatch.setattr(kv_heads.train, "main", lambda argv: calls.append(argv) or signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        kv_heads.train_run("config.py", str(tmp_path / "kv4"), 4, 1337, [])
+    assert e.value.code == 128 + signal.SIGTERM and len(calls) == 1
+    assert "stopped by SIGTERM during kv4" in capsys.readouterr().err
