@@ -16,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 MODES = {"one_process": [], "ddp": [], "fsdp": ["--fsdp=True"], "activation_checkpointing":
          ["--activation_checkpointing=True"], "fsdp_activation_checkpointing": ["--fsdp=True",
-                                                                                "--activation_checkpointing=True"]}
+                                                                                "--activation_checkpointing=True"],
+         "chunked_loss": ["--loss_chunk=37"], "ddp_chunked_loss": ["--loss_chunk=37"]}
 # the least that compiles a training step, its graphs the fewest ops: one block, one step (and its evaluations)
 RUN = ["--n_layer=1", "--max_iters=1", "--eval_interval=1", "--compile=True", "--dropout=0.0"]
 
@@ -39,7 +40,7 @@ def one_process_group(monkeypatch):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_every_training_mode_compiles_its_step(compiling_on_cpu, monkeypatch, workdir, tmp_path, capsys, mode):  # noqa: F811
-    if mode != "one_process" and mode != "activation_checkpointing":
+    if mode not in ("one_process", "activation_checkpointing", "chunked_loss"):
         one_process_group(monkeypatch)
     train_main(workdir, tmp_path, *RUN, *MODES[mode])
     first_step = [r for r in records(tmp_path) if "first_step_s" in r]

@@ -499,10 +499,45 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk, tied, device):
         torch.testing.assert_close(chunked_grads[name], grad, atol=1e-6, rtol=0, msg=name)
 
 
-def test_chunked_loss_holds_one_chunk_of_logits_at_a_time():
-    """The head sees chunk rows per call, and each chunk twice (forward, then recomputed in the backward)."""
+def test_chunked_loss_holds_one_chunk_of_logits_at_a_time_and_runs_the_head_once():
+    """The head sees chunk rows per call, each chunk once: its gradients are taken in the forward pass (ChunkedLoss),
+    not by running the head again in the backward; the same in evaluation, where nothing is differentiated."""
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
     rows = []
     model.lm_head.register_forward_hook(lambda module, args, out: rows.append(out.shape[0]))
-    model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)), loss_chunk=10)[1].backward()
-    assert rows[:4] == [10, 10, 10, 2] and sorted(rows[4:]) == [2, 10, 10, 10]  # the backward: last chunk first
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = model(x, y, loss_chunk=10)[1]
+    assert rows == [10, 10, 10, 2]
+    loss.backward()
+    assert rows == [10, 10, 10, 2] and model.lm_head.weight.grad is not None
+    with torch.no_grad():
+        model(x, y, loss_chunk=10)
+    assert rows == [10, 10, 10, 2] * 2
+
+
+def test_a_chunked_training_step_counts_the_flops_of_the_mfu_formula():
+    """FlopCounterMode over a training step with the loss in chunks counts what gpt/mfu.py's formula says (6 per
+    weight per token, plus attention): no matmul run twice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    from gpt import mfu
+
+    class CountingFlops(TorchDispatchMode):  # FlopCounterMode's count, without its module hooks (which refuse the
+        flops = 0  # autograd.grad that ChunkedLoss runs inside the forward pass)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in flop_registry:
+                self.flops += flop_registry[func.overloadpacket](*args, **(kwargs or {}), out_val=out)
+            return out
+
+    model = GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=64))
+    idx = torch.randint(0, 97, (3, 32))
+    flops = {}
+    for loss_chunk in (0, 40):
+        with CountingFlops() as counter, sdpa_kernel(SDPBackend.MATH):  # the math kernel's matmuls are counted
+            model(idx, idx, loss_chunk=loss_chunk)[1].backward()
+        flops[loss_chunk] = counter.flops
+    assert flops[40] == flops[0] == mfu.flops_per_token(model, 32) * idx.numel(), flops
