@@ -57,7 +57,7 @@ CONFIGS = {  # name -> GPTConfig keyword arguments over BASE; each entry turns o
 NAMES = list(CONFIGS)
 
 # Which keys a query sees, written down apart from model.py's can_attend: a rule can agree with itself on every
-# attention path and still not do what its setting promises (an "attention sinks" rule that does nothing). Each
+# attention path and still not do what its setting promises (a "keep the first tokens" rule that does nothing). Each
 # setting that changes the visible keys maps to its promise, applied in this order to the causal set, key <= query.
 # A promise is written for one query and one key, as `and`, `or`, `not` would say it, but with &, | and ~ so that it
 # holds for every query and key at once (promised_mask): query (Q, 1) and key (1, K) are positions; then the setting's
@@ -65,8 +65,9 @@ NAMES = list(CONFIGS)
 # sequence's token ids, S covering every position.
 VISIBLE_KEYS = {
     "window": lambda query, key, window, visible, layer, tokens: visible & ((window == 0) | (key > query - window)),
-    # Attention sinks, were GPTConfig to gain `sinks` (the first `sinks` tokens stay visible past the window):
-    # "sinks": lambda query, key, sinks, visible, layer, tokens: visible | ((key < sinks) & (key <= query)),
+    # Kept first tokens (StreamingLLM's), were GPTConfig to gain `keep_first` (the first `keep_first` tokens stay
+    # visible past the window; not gpt-oss's "sinks", a learned logit that hides no key and needs no promise):
+    # "keep_first": lambda query, key, keep, visible, layer, tokens: visible | ((key < keep) & (key <= query)),
     # Document masking, were it to gain `doc_sep` (a query sees no key before a separator token at or before it):
     # "doc_sep": lambda query, key, sep, visible, layer, tokens:
     #     visible & ((sep < 0) | ~any_between(tokens == sep, key, query)),
@@ -737,7 +738,7 @@ def window_one_too_wide(query_pos, key_pos, config, *rest):
 
 
 def window_forgotten(query_pos, key_pos, config, *rest):
-    """A setting the rule ignores on every path alike (as an attention-sinks rule that does nothing would be): the
+    """A setting the rule ignores on every path alike (as a kept-first-tokens rule that does nothing would be): the
     paths agree with each other, and only what the setting promises can tell."""
     return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0), *rest)
 
