@@ -127,10 +127,12 @@ def can_attend(query_pos, key_pos, config, layer, tokens):
     return visible
 
 
-def attention(q, k, v, positions, config, layer, dropout_p=0.0):
+def attention(q, k, v, positions, module, dropout_p=0.0):
     """softmax(q k^T / sqrt(hd) + can_attend's mask) v, grouped-query: q (B, nh, T, hd) at positions.ids (T,), k and
-    v (B, n_kv, S, hd) at 0 .. S-1. With no window the rule is key <= query: no mask to build for a whole sequence
-    (S == T, is_causal) or for one new token after its cache (it sees every key)."""
+    v (B, n_kv, S, hd) at 0 .. S-1, for module, the CausalSelfAttention calling (its config, its layer_idx, and any
+    parameter an edit gives it: a learned term reads it here). With no window the rule is key <= query: no mask to
+    build for a whole sequence (S == T, is_causal) or for one new token after its cache (it sees every key)."""
+    config, layer = module.config, module.layer_idx
     B, n_head, T, head_dim = q.shape
     n_kv_head, S = k.size(1), k.size(2)
     plain_causal = config.window == 0  # the rule of can_attend here: a rule edited to hide more joins this condition
@@ -221,7 +223,7 @@ class CausalSelfAttention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv, T, hd)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_idx, k, v, positions.ids)  # (B, n_kv, S, hd): the cached keys too
-        y = attention(q, k, v, positions, self.config, self.layer_idx, self.config.dropout if self.training else 0.0)
+        y = attention(q, k, v, positions, self, self.config.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, nh, T, hd) -> (B, T, nh * hd)
         return self.resid_dropout(self.o_proj(y))
 

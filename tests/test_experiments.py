@@ -75,13 +75,13 @@ def test_the_stand_ins_are_no_rope_and_no_mask_and_are_undone():
 def test_the_no_mask_stand_in_follows_an_edited_signature_of_attention(monkeypatch):
     """An edit that gives model.attention another parameter (here a bias, before dropout_p) needs no edit of
     position.py: its stand-in finds q, k, v and dropout_p by name in the signature, as the model passes them."""
-    def edited(q, k, v, positions, config, layer, bias=None, dropout_p=0.0):
+    def edited(q, k, v, positions, module, bias=None, dropout_p=0.0):
         raise AssertionError("only its signature is read")
 
     monkeypatch.setattr(position, "ATTENTION_SIGNATURE", inspect.signature(edited))
     q, k, v = torch.randn(3, 2, 4, 5, 8, generator=torch.Generator().manual_seed(0)).unbind(0)
     unmasked = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1) @ v
-    assert torch.allclose(position.unmasked_attention(q, k, v, None, None, 0, None, 0.0), unmasked, atol=1e-6)
+    assert torch.allclose(position.unmasked_attention(q, k, v, None, None, None, 0.0), unmasked, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Tests that model.py's attention, RoPE and KV cache compute what they claim (fp32, on TEST_DEVICE: conftest.py)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -54,7 +55,7 @@ def test_attention_matches_formula(kind, n_cached, T, device):
     v = torch.randn(B, HEADS[kind], n_cached + T, hd, device=device)
     expected = attention_by_hand(q, k, v, n_cached)
     positions = Positions(torch.arange(n_cached, n_cached + T, device=device), hd, 1e4)
-    actual = attention(q, k, v, positions, tiny_config(), 0)
+    actual = attention(q, k, v, positions, SimpleNamespace(config=tiny_config(), layer_idx=0))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -68,7 +69,7 @@ def test_static_attention_over_whole_cache_matches_formula(kind, T, device):
     k, v = (torch.randn(B, HEADS[kind], max_len, hd, device=device) * 5 for _ in range(2))
     expected = attention_by_hand(q, k[:, :, :n_cached + T], v[:, :, :n_cached + T], n_cached)
     positions = Positions(torch.arange(n_cached, n_cached + T, device=device), hd, 1e4)
-    actual = attention(q, k, v, positions, tiny_config(), 0)
+    actual = attention(q, k, v, positions, SimpleNamespace(config=tiny_config(), layer_idx=0))
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -12,6 +12,8 @@ torch.backends.cuda.can_use_flash_attention / can_use_efficient_attention answer
 (they check that the tensors are on CUDA, and this wheel has neither kernel compiled in), so they cannot check them.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -113,7 +115,7 @@ def test_repeated_kv_equals_enable_gqa_with_gradients(case, n_kv_head, monkeypat
 
     def output_and_grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        y = attention(*leaves, positions, config, 0)
+        y = attention(*leaves, positions, SimpleNamespace(config=config, layer_idx=0))
         (y * target).sum().backward()
         return [y.detach()] + [t.grad for t in leaves]
 
@@ -195,7 +197,7 @@ def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
         compiled = torch.compile(model_py.attention, backend="eager", fullgraph=True)  # a graph break would raise
         for T, S in [(6, 6), (6, 17)]:  # is_causal, then a chunk after a cached prefix with a mask
             positions = Positions(torch.arange(S - T, S), 8, 10000.0)
-            args = (q[:, :, :T], k[:, :, :S], v[:, :, :S], positions, config, 0)
+            args = (q[:, :, :T], k[:, :, :S], v[:, :, :S], positions, SimpleNamespace(config=config, layer_idx=0))
             torch.testing.assert_close(compiled(*args), model_py.attention(*args))
     finally:
         torch._dynamo.reset()
