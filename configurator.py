@@ -1,13 +1,7 @@
-"""
-Settings from the command line, the nanoGPT way: `python train.py config/small.py --learning_rate=3e-4`.
-
-    settings = configure(dict(batch_size=12, learning_rate=6e-4, compile=True, top_k=None), sys.argv[1:])
-
-The script owns the defaults; argv applies in order, so later arguments win. A positional argument is a config file
-run as Python, whose public names are settings; `--key=value`, `--key value` and a bare boolean `--flag` set one. A
-value is a Python literal, else the raw text (`--dataset=shakespeare` needs no quotes), checked against the default's
-type (`--max_iters=1e5` is the int 100000). Anything wrong is a one-line UserError; `--help` lists the settings.
-"""
+"""Settings the nanoGPT way: `python train.py config/small.py --learning_rate=3e-4`. The script owns the defaults;
+argv applies in order (later wins): a config file (Python; its public names are settings), `--key=value`, `--key value`
+or a bare boolean `--flag`. A value is a Python literal, else the raw text (`--dataset=shakespeare`), checked against
+the default's type (`--max_iters=1e5` is the int 100000); anything wrong is a one-line UserError; `--help` lists all."""
 
 import ast
 import glob
@@ -64,29 +58,20 @@ def _parse(raw):
 
 def _coerce(default, value, raw, label):
     """value converted to the default's type, or UserError; raw is the command-line text, None in a file."""
-    if isinstance(default, bool):  # before int: a bool is an int
-        word = str(value).lower()  # True, 1, "true" and "TRUE" all read as "true"
-        if word in _BOOL_WORDS:
-            return _BOOL_WORDS[word]
-    elif isinstance(default, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)  # so that --max_iters=1e5 works
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(default, float):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(default, str):
-        if isinstance(value, str):
-            return value
-        if raw is not None:
-            return raw  # the default says it is text, so --dataset=123 means '123'
-    elif isinstance(default, (tuple, list)):
-        if isinstance(value, (tuple, list)):
-            return type(default)(value)
-    elif default is None or isinstance(value, type(default)):
+    kind, number = type(default), isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is bool and str(value).lower() in _BOOL_WORDS:  # True, 1, "true" and "TRUE" all read as true
+        return _BOOL_WORDS[str(value).lower()]
+    if kind is int and number and float(value).is_integer():
+        return int(value)  # so that --max_iters=1e5 works
+    if kind is float and number:
+        return float(value)
+    if kind is str and (isinstance(value, str) or raw is not None):
+        return value if isinstance(value, str) else raw  # the default says text: --dataset=123 means '123'
+    if kind in (tuple, list) and isinstance(value, (tuple, list)):
+        return kind(value)
+    if default is None or kind not in (bool, int, float, str, tuple, list) and isinstance(value, kind):
         return value
-    expected = {bool: "True or False", int: "an int", float: "a float", str: "a string"}.get(type(default))
+    expected = {bool: "True or False", int: "an int", float: "a float", str: "a string"}.get(kind)
     shown = raw if raw is not None else value
     raise UserError(f"{label}: expected {expected or 'a ' + type(default).__name__}, got {shown!r}")
 
@@ -117,8 +102,5 @@ def _run_config_file(path):
         # the innermost line of the config file itself, even if the error came from something it called
         lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
         raise UserError(f"{path}, line {lines[-1]}: {type(e).__name__}: {e}") from None
-    return {
-        name: value
-        for name, value in namespace.items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)
-    }
+    return {name: value for name, value in namespace.items()
+            if not name.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)}
