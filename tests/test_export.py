@@ -14,6 +14,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import types
 import unicodedata
 import dataclasses
 from dataclasses import asdict
@@ -420,8 +421,9 @@ def documents_hard_coded(monkeypatch, ends):
 
     def attention(*args, **kwargs):  # model.attention's arguments by name: its signature is not copied here
         given = inspect.signature(attend).bind(*args, **kwargs)
-        config = given.arguments["config"]
-        given.arguments["config"] = dataclasses.replace(config, window=config.block_size)
+        layer = given.arguments["module"]  # the calling CausalSelfAttention, as attention reads it
+        config = dataclasses.replace(layer.config, window=layer.config.block_size)
+        given.arguments["module"] = types.SimpleNamespace(config=config, layer_idx=layer.layer_idx)
         return attend(*given.args, **given.kwargs)
 
     monkeypatch.setattr(model_py, "can_attend", can_attend)
