@@ -261,36 +261,6 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class ChunkedLoss(torch.autograd.Function):
-    """GPT.chunked_loss while training: the mean cross-entropy of logits(hidden) (N, C) -> (N, V) against targets (N,;
-    -1 ignored), a chunk of rows at a time, each chunk's loss differentiated at once (through logits, whatever it
-    computes) with respect to its hidden rows and to every parameter it reads; the backward only scales those
-    gradients. So the head runs once per chunk, where recomputing it in the backward would run it twice; what waits
-    for the backward is the hidden states' gradient (N, C) and the parameters' (the head's V x C)."""
-
-    @staticmethod
-    def forward(ctx, hidden, targets, chunk, logits, *params):
-        grad_hidden, grads, total = torch.empty_like(hidden), [None] * len(params), 0.0
-        with torch.enable_grad():
-            for i in range(0, len(targets), chunk):
-                rows = hidden[i:i + chunk].detach().requires_grad_()
-                loss_sum = F.cross_entropy(logits(rows).float(), targets[i:i + chunk], ignore_index=-1, reduction="sum")
-                grad_rows, *chunk_grads = torch.autograd.grad(loss_sum, [rows, *params], allow_unused=True)
-                grad_hidden[i:i + chunk] = grad_rows
-                grads = [g if total_g is None else total_g if g is None else total_g + g
-                         for total_g, g in zip(grads, chunk_grads)]
-                total = total + loss_sum.detach()
-        n = (targets != -1).sum()
-        ctx.grads, ctx.n = [grad_hidden, *grads], n  # made here, not inputs: kept as attributes
-        return total / n
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        scale = grad_loss / ctx.n  # d(total / n) = d(total) / n
-        grad_hidden, *grads = [None if g is None else g * scale.to(g.dtype) for g in ctx.grads]
-        return grad_hidden, None, None, None, *grads
-
-
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -362,13 +332,8 @@ class GPT(nn.Module):
         return self.lm_head(hidden)
 
     def chunked_loss(self, hidden, targets, chunk):  # hidden (N, C), targets (N,): the same loss in less memory
-        """B x T x vocab logits are a step's largest tensors (13 GB in fp32 at GPT-2's vocab and 64 x 1024 tokens);
-        here only chunk x vocab exist at once. Training, each chunk's gradients are taken as it is computed
-        (ChunkedLoss): the head runs once, as without chunks."""
-        if not (torch.is_grad_enabled() and hidden.requires_grad):  # evaluation: the losses alone
-            return sum(F.cross_entropy(self.logits(hidden[i:i + chunk]).float(), targets[i:i + chunk], ignore_index=-1,
-                                       reduction="sum") for i in range(0, len(targets), chunk)) / (targets != -1).sum()
-        return ChunkedLoss.apply(hidden, targets, chunk, self.logits, *[p for p in self.parameters() if p.requires_grad])
+        from gpt.loss import chunked_cross_entropy  # runs with loss_chunk only: the head's logits a chunk at a time
+        return chunked_cross_entropy(self.logits, hidden, targets, chunk, [p for p in self.parameters() if p.requires_grad])
 
     def new_kv_cache(self, batch_size, max_len, dtype=None, device=None, static=False):
         """An empty KV cache for batch_size sequences of max_len tokens (static: see KVCache); bf16 autocast: dtype=bf16."""

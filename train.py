@@ -54,7 +54,7 @@ DEFAULTS = dict(
     # data
     dataset="shakespeare_char",  # a folder under data/
     batch_size=12,  # sequences per micro-step and process
-    loss_chunk=0,  # > 0: the output head and loss on this many positions at a time (less memory; model.chunked_loss)
+    loss_chunk=0,  # > 0: the output head and loss on this many positions at a time (less memory; gpt/loss.py)
     gradient_accumulation_steps=1,  # micro-steps per optimizer step, over all processes together
     total_batch_size=0,  # > 0: tokens per optimizer step over all processes; the accumulation follows from it
     **MODEL_DEFAULTS,  # every GPTConfig field (see model.py); block_size is also the training context
