@@ -264,7 +264,7 @@ def build_model(settings, meta, checkpoint, ckpt_path):
     if checkpoint is not None:
         config = GPTConfig(**checkpoint["model_config"])
     elif settings["init_from"].startswith("hf:"):
-        from gpt.hf import load_pretrained
+        from gpt.checkpoint import load_pretrained
 
         pretrained = load_pretrained(settings["init_from"][3:], meta)
         config = replace(pretrained.config, dropout=settings["dropout"])

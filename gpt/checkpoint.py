@@ -50,10 +50,13 @@ def model_from_checkpoint(checkpoint, path):
     return model, meta
 
 
-def load_weights(model, state, path):
+def load_weights(model, state, path, config_file=None):
     """model.load_state_dict(state), where tensors that do not fit (model.py changed since the file was written) are a
-    UserError naming them: torch's error lists them over many lines, and its first line names none."""
+    UserError naming them: torch's error lists them over many lines, and its first line names none. config_file: the
+    file the model was built from, where that is not path's own checkpoint (a Hugging Face folder's config.json)."""
     mismatch = tensor_mismatch(model.state_dict(), state)
+    if mismatch and config_file:  # weights and config file disagree, or model.py was changed: the names say which
+        raise UserError(f"{path} does not fit the model this model.py builds from its {config_file}: {mismatch}")
     if mismatch:
         raise UserError(f"{path} does not fit this model.py: {mismatch}; it was written by a model of another "
                               "shape: retrain with this model.py, or undo the edit to load it")
@@ -95,8 +98,6 @@ def load_model(source, device="cpu", dtype=torch.float32):
 def load_run(source, device="cpu", dtype=torch.float32):
     """load_model's (model, meta), and the dataset a checkpoint was trained on (None for a Hugging Face folder)."""
     if source.startswith("hf:"):
-        from gpt.hf import load_hf
-
         (model, meta), dataset = load_hf(source[3:]), None
         if meta is None:
             raise UserError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
@@ -105,3 +106,25 @@ def load_run(source, device="cpu", dtype=torch.float32):
         checkpoint = load_checkpoint(path)
         (model, meta), dataset = model_from_checkpoint(checkpoint, path), checkpoint.get("settings", {}).get("dataset")
     return model.to(device=device, dtype=dtype).eval(), meta, dataset
+
+
+def load_hf(folder):
+    """The GPT (fp32, on the CPU) of a local Hugging Face Llama or Qwen3 folder, which gpt/hf.py reads, and its
+    tokenizer's meta dict (None when the folder has no tokenizer.json)."""
+    from gpt.hf import read_hf  # Hugging Face's format: only this path needs it
+
+    config, state, weights, meta = read_hf(folder)
+    model = GPT(config)
+    load_weights(model, state, weights, config_file="config.json")
+    return model, meta
+
+
+def load_pretrained(folder, meta):
+    """The model of a Hugging Face folder to fine-tune (train.py's init_from="hf:folder"); its tokenizer must be the
+    data's (meta)."""
+    model, model_meta = load_hf(folder)
+    if model_meta is not None and model_meta != meta:
+        raise UserError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, "
+                        f"{model_meta['vocab_size']} tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} "
+                        "tokens); prepare the data with the model's tokenizer")
+    return model

@@ -16,10 +16,9 @@ from dataclasses import fields, replace
 import torch
 
 from gpt import UserError
-from gpt.checkpoint import tensor_mismatch
 from gpt.files import write_json
 from gpt.bpe import byte_to_unicode, named_encoding, tokenizer_json_meta
-from model import GPT, GPTConfig
+from model import GPTConfig
 
 # ----------------------------------------------------------------------------------------------------
 # Reading: config.json -> GPTConfig, model.safetensors -> weights, tokenizer.json -> meta
@@ -63,9 +62,10 @@ def gpt_config(hf):
     return config
 
 
-def load_hf(folder):
-    """The GPT (fp32, on the CPU) of a local Llama or Qwen3 folder, and its tokenizer's meta dict (None
-    when the folder has no tokenizer.json). UserError says what is missing or does not map."""
+def read_hf(folder):
+    """What a local Llama or Qwen3 folder holds, in this repo's terms: (GPTConfig, state dict with our names, the path
+    of its weights, its tokenizer's meta dict or None without tokenizer.json); gpt/checkpoint.py's load_hf builds the
+    model. UserError says what is missing or does not map."""
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise UserError(f"no config.json in {folder}; expected a Hugging Face model folder")
@@ -89,27 +89,11 @@ def load_hf(folder):
     state = {name.removeprefix("model."): tensor for name, tensor in state.items()}
     if config.tie_embeddings and "embed_tokens.weight" in state:  # else named missing below
         state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-    model = GPT(config)
-    mismatch = tensor_mismatch(model.state_dict(), state)
-    if mismatch:  # weights and config.json disagree, or model.py was changed: the names say which
-        raise UserError(f"{weights} does not fit the model this model.py builds from its config.json: {mismatch}")
-    model.load_state_dict(state)
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos
     tokenizer_path = os.path.join(folder, "tokenizer.json")
     meta = tokenizer_json_meta(tokenizer_path, eos) if os.path.exists(tokenizer_path) else None
-    return model, meta
-
-
-def load_pretrained(folder, meta):
-    """The model of a Hugging Face folder to fine-tune (train.py's init_from="hf:folder"); its tokenizer must be the
-    data's (meta)."""
-    model, model_meta = load_hf(folder)
-    if model_meta is not None and model_meta != meta:
-        raise UserError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, "
-                        f"{model_meta['vocab_size']} tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} "
-                        "tokens); prepare the data with the model's tokenizer")
-    return model
+    return config, state, weights, meta
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -31,7 +31,8 @@ import train  # noqa: E402
 from data.shakespeare_char import prepare as prepare_char  # noqa: E402
 from gpt import UserError
 from gpt.checkpoint import load_model  # noqa: E402
-from gpt.hf import export_hf, gpt_config, hf_config, load_hf, tokenizer_json  # noqa: E402
+from gpt.checkpoint import load_hf  # noqa: E402
+from gpt.hf import export_hf, gpt_config, hf_config, tokenizer_json  # noqa: E402
 from gpt.bpe import named_encoding  # noqa: E402
 from gpt.tokenizer import Tokenizer  # noqa: E402
 import model as model_py  # noqa: E402  (the module: tests swap its rule)

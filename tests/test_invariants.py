@@ -35,6 +35,7 @@ import torch
 
 import model as model_py  # the module: the live tests swap its can_attend
 from gpt import UserError, engine, hf, speculative
+from gpt.checkpoint import load_hf
 from model import GPT, MLP_KINDS, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -617,7 +618,7 @@ def test_export_round_trip_is_exact_or_refused(name, tmp_path, monkeypatch):
     except UserError:
         assert os.listdir(tmp_path) == []  # no folder, no temp folder left behind
         return
-    loaded, meta = hf.load_hf(folder)
+    loaded, meta = load_hf(folder)
     assert meta is None
     assert asdict(loaded.config) == asdict(replace(model.config, dropout=0.0))  # dropout: a training switch
     ours, theirs = model.state_dict(), loaded.state_dict()
