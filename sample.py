@@ -160,11 +160,9 @@ def load_models(source, settings, device, dtype):
         if settings["cuda_graph"]:
             print("note: decoding replays the eager step as a CUDA graph (captured in about a second, no compiler; "
                   "--compile=True compiles it instead: 1-2 minutes the first time)", file=sys.stderr)
-    if settings["compile"] is None and settings["cuda_graph"]:
-        settings["compile"] = False
     if settings["compile"] is None:  # speculative decoding with a draft model, and uncached decoding, compile nothing
-        settings["compile"] = (settings["draft"] in ("", LOOKUP) and not settings["no_kv_cache"]
-                               and compiles_by_default(model))
+        settings["compile"] = (not settings["cuda_graph"] and settings["draft"] in ("", LOOKUP)
+                               and not settings["no_kv_cache"] and compiles_by_default(model))
         if settings["compile"]:
             from gpt.kernels import cache_dir
             print(f"note: compiling the decode step (the first time 1-2 minutes for GPT-2 small on an H100, then kept "
