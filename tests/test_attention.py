@@ -19,6 +19,7 @@ from gpt import UserError
 from gpt.rundir import save_checkpoint
 from gpt.tokenizer import char_meta
 from model import GPT, GPTConfig, can_attend
+from conftest import finished
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 ATTENTION = model_py.attention  # the original, before a test patches it
@@ -208,7 +209,6 @@ def test_bad_input_is_a_one_line_error(checkpoint_dir, tmp_path, args, needle):
 
 
 def test_missing_checkpoint_exits_with_one_line(missing_checkpoint_run):
-    stdout, stderr = missing_checkpoint_run.communicate(timeout=120)
-    result = subprocess.CompletedProcess(missing_checkpoint_run.args, missing_checkpoint_run.returncode, stdout, stderr)
+    result = finished(missing_checkpoint_run)
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and "no checkpoint at" in result.stderr

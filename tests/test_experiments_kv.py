@@ -14,6 +14,7 @@ from experiments import kv_cache, kv_heads
 from gpt.tokenizer import Tokenizer, char_meta
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401 (a fixture)
+from conftest import finished
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -37,11 +38,6 @@ def scripts():
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
-
-
-def finished(proc, timeout):
-    stdout, stderr = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def tiny(**overrides):

@@ -21,6 +21,7 @@ from gpt import kernels
 from gpt.cpuinfo import cpu_flags
 from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, replace_linears
 from model import GPT, GPTConfig
+from conftest import finished
 
 
 @pytest.fixture(autouse=True)
@@ -143,8 +144,7 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate(avx2_process):
     products in int16, which saturates: capped at AVX2 on an AVX-512 AMD EPYC, 127 x 127 x 768 came out as 97920. The
     check in usable_kernels must drop both int8-rows kernels there, leaving float32 products of the int8 rows; where
     the sum comes out exact (an AVX2-only Zen 3 EPYC), it must keep int_mm."""
-    stdout, stderr = avx2_process.communicate(timeout=120)
-    result = subprocess.CompletedProcess(avx2_process.args, avx2_process.returncode, stdout, stderr)
+    result = finished(avx2_process)
     assert result.returncode == 0, result.stderr
     usable, saturated = result.stdout.strip().splitlines()
     usable = eval(usable)

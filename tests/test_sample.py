@@ -28,6 +28,7 @@ from data.shakespeare_char import prepare as prepare_char
 from gpt import UserError
 from gpt.bpe import named_encoding
 from model import GPT, GPTConfig
+from conftest import finished
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -149,9 +150,7 @@ class Processes:
                       for name, args in runs.items()}
 
     def result(self, name):
-        proc = self.procs[name]
-        stdout, stderr = proc.communicate(timeout=120)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+        return finished(self.procs[name])
 
     def kill(self):
         for proc in self.procs.values():

@@ -12,6 +12,7 @@ import eval as eval_py
 import export
 import sample
 import train
+from conftest import finished
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = {"train": train, "sample": sample, "eval": eval_py, "export": export, "attention": attention}
@@ -29,11 +30,7 @@ def helps(tmp_path_factory):
                                                        cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                        text=True)
     try:
-        results = {}
-        for key, (folder, proc) in runs.items():
-            stdout, stderr = proc.communicate(timeout=120)
-            results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), folder
-        return results
+        return {key: (finished(proc), folder) for key, (folder, proc) in runs.items()}
     finally:
         for _, proc in runs.values():
             if proc.poll() is None:
