@@ -343,8 +343,9 @@ def test_import_reads_safetensors_only_and_checks_them(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, intermediate_size=128)))
     weights.write_bytes(data)
-    with pytest.raises(UserError, match="shape"):
+    with pytest.raises(UserError, match="shape") as error:
         load_hf(str(tmp_path))
+    assert str(error.value).startswith(f"{weights} does not fit the model this model.py builds from its config.json: ")
 
 
 # ----------------------------------------------------------------------------------------------------
