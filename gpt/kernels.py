@@ -188,9 +188,11 @@ def cache_dir():
 
 
 def this_machine():
-    """What a remembered choice holds only for, the candidates included (a kernel added to KERNELS gets measured)."""
+    """What every remembered choice holds only for, the candidates included (a kernel added to KERNELS gets measured).
+    The thread count is in each choice's key instead: runs with other counts (a torchrun worker's one thread, a
+    user's default) each keep theirs, rather than wiping the file for one another."""
     return {"cpu": cpu_name(), "cpu_flags": hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:12],
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "kernels": list(KERNELS)}
+            "torch": torch.__version__, "kernels": list(KERNELS)}
 
 
 def read_choices(path):
@@ -286,7 +288,8 @@ def choice_key(layers, rows, compiled):
     shapes = sorted({(layer.out_features, layer.in_features, layer.bias is not None) for layer in layers})
     dtypes = {str(layer.weight.dtype).removeprefix("torch."): None for layer in layers}
     activations = {str(row_dtype(layer)).removeprefix("torch."): None for layer in layers}
-    return (f"{'+'.join(dtypes)} weights, {'+'.join(activations)} rows: {rows}{', compiled' if compiled else ''}; "
+    return (f"{'+'.join(dtypes)} weights, {'+'.join(activations)} rows: {rows}{', compiled' if compiled else ''}, "
+            f"{torch.get_num_threads()} threads; "
             + ", ".join(f"{o}x{i}{'+bias' if b else ''}" for o, i, b in shapes))
 
 

@@ -244,8 +244,8 @@ def test_a_choice_is_measured_once_then_remembered_on_disk(monkeypatch, cache):
 
 
 @pytest.mark.parametrize("field, other", [("cpu", "Some Other CPU"), ("cpu_flags", "0123456789ab"),
-                                          ("torch", "2.0.0"), ("threads", 64), ("kernels", ["torch", "onednn"])])
-def test_a_choice_from_another_machine_torch_or_thread_count_is_measured_again(monkeypatch, cache, field, other):
+                                          ("torch", "2.0.0"), ("kernels", ["torch", "onednn"])])
+def test_a_choice_from_another_machine_or_torch_is_measured_again(monkeypatch, cache, field, other):
     """... or chosen among other candidates: a kernel added since (an update of this repo) is measured."""
     model = tiny_model()
     key = kernels.choice_key(linears_of(model), 1, False)
@@ -257,6 +257,24 @@ def test_a_choice_from_another_machine_torch_or_thread_count_is_measured_again(m
     assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) == "torch" and measured == [1]
     kept = json.loads((cache / "kernels.json").read_text())
     assert kept == {"machine": kernels.this_machine(), "choices": {key: "torch"}}  # the stale choice is gone
+
+
+def test_each_thread_count_measures_and_keeps_its_own_choice(monkeypatch, cache):
+    """A run with other threads (a torchrun worker's one, beside a user's default) measures again, and both choices
+    stay: neither wipes the other's from kernels.json."""
+    model, measured = tiny_model(), []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(
+        torch.get_num_threads()) or candidates[-1])
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 1, 2):
+            torch.set_num_threads(count)
+            monkeypatch.setattr(kernels, "choices", {})  # a new run: only the file remembers
+            kernels.fastest_kernel(linears_of(model), 1, compiled=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert measured == [1, 2]
+    assert len(json.loads((cache / "kernels.json").read_text())["choices"]) == 2
 
 
 def test_a_cache_folder_that_cannot_be_written_costs_one_line_not_the_run(monkeypatch, tmp_path, capsys):
