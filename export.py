@@ -8,10 +8,11 @@ Our model with bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=Fa
 and its parameter names are the Hugging Face ones without the "model." prefix, so an export is renaming plus
 a config.json. Nothing is exported approximately. A setting with no counterpart (a GELU MLP, a sliding
 window...) is refused with the reason; then what is written is checked against the architecture itself:
-the exact tensor names and shapes a Llama or Qwen3 of that config has, and, when transformers is installed,
-its logits against ours on batches that hold every token id (each twice in a row). An edited model.py that
-no longer computes a Llama (learned positions, LayerNorm, a separator in the mask rule...) is refused there,
-and no folder is left behind. Weights are safetensors: loading them never runs code, unlike a pickle.
+the exact tensor names and shapes a Llama or Qwen3 of that config has, the token ids read by the embedding lookup
+alone, the causal mask rule at every pair of positions, and, when transformers is installed, its outputs against ours
+on random ids at every position (gpt/hf.py, "The proof"). An edited model.py that no longer computes a Llama (learned
+positions, LayerNorm, a separator in the mask rule...) is refused there, naming what differs, and no folder is
+left behind. Weights are safetensors: loading them never runs code, unlike a pickle.
 """
 
 import os

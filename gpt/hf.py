@@ -2,15 +2,17 @@
 Hugging Face Llama/Qwen3 folders (config.json, model.safetensors, tokenizer.json), both ways. Our model with
 bias=False, mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=True), and its parameter
 names are the Hugging Face ones without the "model." prefix, so a conversion is renaming plus a config.json; nothing
-converts approximately. A setting with no counterpart is refused with the reason; an export is then checked against
-the architecture itself (the tensor names and shapes it has and, where transformers is installed, its logits on
-batches that hold every token id), so an edited model.py that no longer computes a Llama leaves no folder behind.
+converts approximately. A setting with no counterpart is refused with the reason; an export then proves that it
+computes what the checkpoint does (the tensor names and shapes of the architecture, the token ids read by the embedding
+alone, the causal mask rule, and where transformers is installed its outputs: see "The proof"), so an edited model.py
+that no longer computes a Llama is refused, naming what differs, and leaves no folder behind.
 """
 
 import json
 import os
 import shutil
 import tempfile
+import traceback
 from dataclasses import fields, replace
 
 import torch
@@ -181,39 +183,95 @@ def check_tensors(state, hf):
         raise UserError(f"{wrong} has shape {tuple(state[wrong].shape)}, a {arch} of this config has {expected[wrong]}")
 
 
-def our_logits(model, idx):
-    """Logits (B, T, V) of idx through every attention path: a whole-sequence forward, and through the KV cache
-    (a prefill, then one token at a time), so that an edit to the mask rule that training's fast path does not
-    see is seen here. UserError if the two disagree."""
-    T = idx.size(1)
-    with torch.no_grad():
-        full = model(idx)[0]
-        cache = model.new_kv_cache(*idx.shape)
-        half = max(1, T // 2)
-        cached = torch.cat([model(idx[:, :half], kv_cache=cache)[0]] +
-                           [model(idx[:, t:t + 1], kv_cache=cache)[0] for t in range(half, T)], dim=1)
-    if (full - cached).abs().max() > 1e-4 * max(1.0, full.abs().max().item()):
-        raise UserError("the model's logits through the KV cache differ from a whole-sequence forward; "
-                        "run python -m pytest tests/test_invariants.py to see where")
-    return full
+# ----------------------------------------------------------------------------------------------------
+# The proof: what export shows before it writes. Two functions of the same weights, ours and transformers' Llama or
+# Qwen3, are equal where (1) the token ids reach nothing but the embedding lookup, (2) the mask rule is the causal one
+# at every pair of positions, and (3) the outputs agree on ids at every position of the context: with (1) and (2), what
+# is left is a function of the embedded tokens and their positions, and two such architectures that differ (a norm,
+# RoPE's pairing, a soft cap) give other outputs on almost every input, which random ids are. No batch has to find a
+# rule of the tokens by luck: a model with one is refused by (1), naming the function that reads them.
+
+PROOF_POSITIONS = 4096  # (3) at the first 4096 positions at most: a forward of a 32k context on a CPU takes minutes
+LOGITS_POSITIONS = 64  # logits (B, T, V) compared at these first positions (a 150k-token head), hidden states at all
 
 
-def check_batches(vocab_size, block_size, rows=16):
-    """The token batches (at most rows x T, T = min(block_size, 64)) the logits are compared on: every token id
-    twice in a row ((t, t)), so that each id, and each id as a two-token separator, occurs with text after it,
-    in a random order (fixed seed), the last row filled with random ids. A rule of the tokens hard-coded in
-    model.py (a separator, the end-of-text id) then changes some logits here, whichever ids it names."""
+class TokensRead(Exception):
+    """A torch function other than the embedding lookup read the token ids."""
+
+
+# What may be read of the ids without reading them: their shape, device and type
+METADATA = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndim.__get__,
+            torch.Tensor.__len__, torch.Tensor.device.__get__, torch.Tensor.dtype.__get__, torch.Tensor.numel}
+
+
+class TokenIds(torch.Tensor):
+    """Token ids whose values only the embedding lookup may read: any other torch function of them (a comparison,
+    an index, .tolist()) raises TokensRead. Their shape, device and dtype are free to read."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in METADATA and func is not torch.nn.functional.embedding:
+            raise TokensRead(getattr(func, "__name__", str(func)))
+        with torch._C.DisableTorchFunctionSubclass():  # the result a plain tensor: the embeddings are no ids
+            return func(*args, **(kwargs or {}))
+
+
+def reader(error):
+    """Where TokensRead was raised from: the innermost function of the traceback outside torch and this file."""
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if not frame.filename.startswith(os.path.dirname(torch.__file__)) and frame.filename != __file__]
+    return f"{frames[-1].name} ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else "?"
+
+
+def tokens_read(error):
+    return UserError(f"{reader(error)} reads the token ids ({error}): a Llama/Qwen3 reads them only to look up their "
+                     "embeddings, so a rule of the tokens (document masking, a separator) cannot be exported")
+
+
+def check_mask_rule(model, tokens):
+    """(2): UserError unless model.py's can_attend is a Llama's rule, key <= query, at every pair of positions of
+    tokens (1, T) in every layer, without reading the tokens."""
+    import model as model_py  # its can_attend at the time of the export (an edit, or a test's patch)
+
+    positions = torch.arange(tokens.size(1))
+    causal = positions <= positions[:, None]  # (T, T)
+    for layer in range(model.config.n_layer):
+        try:
+            visible = model_py.can_attend(positions[:, None], positions, model.config, layer, tokens)  # (T, T) or more
+        except TokensRead as e:
+            raise tokens_read(e) from None
+        wrong = (visible != causal).nonzero()
+        if len(wrong):
+            query, key = wrong[0][-2:].tolist()
+            raise UserError(f"model.py's can_attend is not a Llama's causal rule: in layer {layer} the query at "
+                            f"{query} {'may' if key > query else 'may not'} see the key at {key}")
+
+
+def proof_ids(config):
+    """Random ids (1, T), T = min(block_size, PROOF_POSITIONS), of a fixed seed."""
     generator = torch.Generator().manual_seed(0)
-    T = min(block_size, 64)
-    ids = torch.randperm(vocab_size, generator=generator).repeat_interleave(2)  # (2V,): t, t for every id t
-    fill = torch.randint(0, vocab_size, (-len(ids) % T,), generator=generator)
-    return torch.cat([ids, fill]).view(-1, T).split(rows)
+    return torch.randint(0, config.vocab_size, (1, min(config.block_size, PROOF_POSITIONS)), generator=generator)
 
 
-def check_logits(model, folder):
-    """UserError unless transformers, loading folder, computes our model's logits on check_batches (our logits
-    through every attention path on the first; on the others the final hidden states, which the same head turns into
-    logits); False when transformers is not installed (nothing checked)."""
+def our_outputs(model, idx):
+    """(1) and (2), then our side of (3): the logits (1, LOGITS_POSITIONS, V) of idx's first tokens through forward,
+    and the final hidden states (1, T, C) of all of idx, each computed from ids only the embedding may read."""
+    tokens, first = idx.as_subclass(TokenIds), idx[:, :LOGITS_POSITIONS].as_subclass(TokenIds)  # (1, T), (1, 64)
+    check_mask_rule(model, tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(first)[0], model.hidden_states(tokens)
+    except TokensRead as e:
+        raise tokens_read(e) from None
+    finally:
+        model.train(was_training)
+
+
+def check_logits(folder, idx, ours):
+    """(3): UserError unless transformers, loading folder, computes our_outputs ours of idx; False when transformers
+    is not installed (nothing compared)."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
@@ -221,21 +279,13 @@ def check_logits(model, folder):
         return False
     logging.disable_progress_bar()  # its weight-loading bar would be the export's only stderr output
     theirs = AutoModelForCausalLM.from_pretrained(folder).float().eval()
-    was_training = model.training
-    try:
-        model.eval()
-        for i, idx in enumerate(check_batches(model.config.vocab_size, model.config.block_size)):
-            with torch.no_grad():
-                if i == 0:
-                    expected, actual = our_logits(model, idx), theirs(idx).logits
-                else:  # the head compared once: the rest compares what it reads (a 50k-token head is most of the cost)
-                    expected, actual = model.hidden_states(idx), theirs.model(idx).last_hidden_state  # (B, T, C)
-            difference = (expected - actual).abs().max().item()
-            if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
-                raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
-                                f"(max difference {difference:.3g}): the model is not one it can represent")
-    finally:
-        model.train(was_training)
+    with torch.no_grad():
+        outputs = theirs(idx[:, :LOGITS_POSITIONS]).logits, theirs.model(idx).last_hidden_state
+    for expected, actual in zip(ours, outputs):
+        difference = (expected - actual).abs().max().item()
+        if not difference <= 1e-4 * max(1.0, expected.abs().max().item()):
+            raise UserError(f"transformers' {type(theirs).__name__} computes other logits from the written folder "
+                            f"(max difference {difference:.3g}): the model is not one it can represent")
     return True
 
 
@@ -319,12 +369,14 @@ def export_hf(model, meta, folder):
                         "export into a new or empty folder, or one holding an earlier export")
     config = hf_config(model.config, meta.get("eot_token") if meta else None)
     check_tensors(hf_state_dict(model), config)
+    idx = proof_ids(model.config)
+    ours = our_outputs(model, idx)
     parent = os.path.dirname(os.path.abspath(folder))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(folder)) + ".tmp-", dir=parent)
     try:
         write_folder(model, meta, config, tmp)
-        checked = check_logits(model, tmp)
+        checked = check_logits(tmp, idx, ours)
         os.makedirs(folder, exist_ok=True)
         written = os.listdir(tmp)
         umask = os.umask(0o022)  # read back (os.umask sets it): the files get the mode any new file gets

@@ -440,20 +440,66 @@ SAME_TENSORS_OTHER_MODEL = {
     "no_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", lambda x, positions: x),
     "interleaved_rope": lambda model, monkeypatch: monkeypatch.setattr("model.rope", interleaved_rope),
     "layer_norm_without_bias": lambda model, monkeypatch: layer_norms(model, bias=False),
-    "documents_after_the_last_id": lambda model, monkeypatch: documents_hard_coded(monkeypatch, lambda t: t == 96),
-    "documents_after_the_pair_1_1": lambda model, monkeypatch: documents_hard_coded(monkeypatch, after_the_pair_1_1),
 }
 
 
 @pytest.mark.parametrize("edit", SAME_TENSORS_OTHER_MODEL)
 def test_export_refuses_a_model_with_a_llamas_tensors_that_computes_something_else(edit, monkeypatch, tmp_path):
-    """Exactly a Llama's tensors, but positions ignored, paired differently, LayerNorm in place of RMSNorm, or
-    documents masked after a token or a pair of tokens that one random batch would rarely hold: transformers'
-    logits from the written folder differ on the check's batches, the export is refused, and the temp folder it
-    loaded them from is gone."""
+    """Exactly a Llama's tensors, but positions ignored, paired differently, or LayerNorm in place of RMSNorm:
+    transformers' outputs from the written folder differ on the proof's ids, the export is refused, and the temp
+    folder it loaded them from is gone."""
     model = our_model("llama_like")
     SAME_TENSORS_OTHER_MODEL[edit](model, monkeypatch)
     assert_refused(model, str(tmp_path / "out"), "LlamaForCausalLM computes other logits", monkeypatch)
+    assert os.listdir(tmp_path) == []
+
+
+def zeroed_after_an_id(monkeypatch):
+    """hidden_states edited to give the id 0 no embedding: a rule of the tokens outside the mask."""
+    original = model_py.GPT.hidden_states
+
+    def hidden_states(self, idx, kv_cache=None, input_pos=None):
+        if (idx == 0).any():
+            pass  # what the edit does then does not matter: reading the ids is what export refuses
+        return original(self, idx, kv_cache, input_pos)
+
+    monkeypatch.setattr(model_py.GPT, "hidden_states", hidden_states)
+
+
+TOKEN_RULES = {  # edit: the function the refusal names
+    "documents_after_the_last_id": (lambda monkeypatch: documents_hard_coded(monkeypatch, lambda t: t == 96),
+                                    "<lambda>"),
+    "documents_after_the_pair_1_1": (lambda monkeypatch: documents_hard_coded(monkeypatch, after_the_pair_1_1),
+                                     "after_the_pair_1_1"),
+    "zeroed_after_an_id": (zeroed_after_an_id, "hidden_states"),
+}
+
+
+@pytest.mark.parametrize("edit", TOKEN_RULES)
+def test_export_refuses_a_model_that_reads_the_token_ids_naming_where(edit, monkeypatch, tmp_path):
+    """Documents masked after an id or a pair of ids that one random batch would rarely hold (the pair (1, 1) was
+    once exported as a plain Qwen3), or ids read outside the mask: no batch has to hold the rule's ids, since export
+    refuses any reading of the ids but the embedding lookup, naming the function that read them."""
+    change, function = TOKEN_RULES[edit]
+    change(monkeypatch)
+    assert_refused(our_model("llama_like"), str(tmp_path / "out"),
+                   rf"^{re.escape(function)} \(test_export.py:\d+\) reads the token ids \(__eq__\): a Llama/Qwen3 reads "
+                   "them only to look up their embeddings", monkeypatch)
+    assert os.listdir(tmp_path) == []
+
+
+def test_export_refuses_a_mask_rule_of_positions_that_is_not_causal_naming_the_first_pair(monkeypatch, tmp_path):
+    """A rule of positions alone (here: from query 3 on, key 0 hidden; the first token's removal as a sink) differs
+    from a Llama's at pairs the rule names: refused by the check of every pair, before any output is compared."""
+    rule = model_py.can_attend
+    monkeypatch.setattr(model_py, "can_attend", lambda query_pos, key_pos, config, layer, tokens: rule(
+        query_pos, key_pos, config, layer, tokens) & ~((query_pos >= 3) & (key_pos == 0)))
+    assert_refused(our_model("llama_like"), str(tmp_path / "out"), r"^model.py's can_attend is not a Llama's causal "
+                   r"rule: in layer 0 the query at 3 may not see the key at 0$", monkeypatch)
+    monkeypatch.setattr(model_py, "can_attend", lambda query_pos, key_pos, config, layer, tokens: rule(
+        query_pos, key_pos, config, layer, tokens) | ((layer == 1) & (key_pos == query_pos + 1)))
+    assert_refused(our_model("llama_like"), str(tmp_path / "out"), r"^model.py's can_attend is not a Llama's causal "
+                   r"rule: in layer 1 the query at 0 may see the key at 1$", monkeypatch)
     assert os.listdir(tmp_path) == []
 
 
