@@ -22,18 +22,11 @@ TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtyp
 def read_shard(path):
     """The tokens of a shard as a read-only memory map, after checking its header against the file size."""
     size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise UserError(f"{path}: {size} bytes is too short for the {HEADER_BYTES}-byte header; delete it and re-run the prepare script")
-    magic, version, count = np.fromfile(path, dtype="<i4", count=3)
-    if magic != MAGIC:
-        raise UserError(f"{path}: not a token shard (magic {magic}, expected {MAGIC}); re-run the prepare script")
-    if version not in TOKEN_DTYPES:
-        raise UserError(f"{path}: unsupported shard version {version} (this code reads 1 and 2); re-run the prepare script")
-    dtype = TOKEN_DTYPES[version]
-    expected = HEADER_BYTES + int(count) * dtype.itemsize
-    if size != expected:
-        raise UserError(f"{path}: file is {size} bytes but its header promises {count} tokens ({expected} bytes); "
-                        "it is truncated or corrupt, delete it and re-run the prepare script")
+    magic, version, count = np.fromfile(path, dtype="<i4", count=3) if size >= HEADER_BYTES else (0, 0, 0)
+    dtype = TOKEN_DTYPES.get(int(version))
+    if magic != MAGIC or dtype is None or size != HEADER_BYTES + int(count) * dtype.itemsize:
+        raise UserError(f"{path}: not a token shard whose header (magic {magic}, version {version}, {count} tokens) "
+                        f"fits its {size} bytes: truncated or corrupt; delete it and re-run the prepare script")
     if count == 0:  # mmap cannot map zero bytes
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(int(count),))
@@ -42,7 +35,6 @@ def read_shard(path):
 def require_dir(data_dir):
     if not os.path.isdir(data_dir):
         from gpt.hints import missing_dataset
-
         raise UserError(f"dataset folder {data_dir} not found; {missing_dataset(data_dir)}")
 
 
@@ -52,21 +44,13 @@ def load_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         from gpt.bpe import GPT2_META
-
         return dict(GPT2_META)
-    problem = None
     try:
         with open(path) as f:
-            meta = json.load(f)
-        if not isinstance(meta["vocab_size"], int) or meta["vocab_size"] < 1:
-            problem = f"vocab_size {meta['vocab_size']!r} is not a positive integer"
-    except (ValueError, KeyError, TypeError):
-        problem = "not valid metadata (needs a JSON object with vocab_size)"
-    if problem:
+            return json.load(f)
+    except ValueError as e:
         from gpt.hints import rerun
-
-        raise UserError(f"{path}: {problem}; {rerun(data_dir)}")
-    return meta
+        raise UserError(f"{path}: not JSON ({e}); {rerun(data_dir)}") from None
 
 
 def check_vocab(data_dir, meta, model_vocab_size):
@@ -82,10 +66,8 @@ def find_shards(data_dir, split):
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.bin")))
     if not paths:
         from gpt.hints import prepare_command
-
         command = prepare_command(data_dir)
-        how = f"prepare them with `{command}`" if command else \
-            "write them with a prepare script's --out_dir (data/README.md)"
+        how = f"prepare them with `{command}`" if command else "write them with a prepare script's --out_dir (data/README.md)"
         raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {how}")
     return paths
 
@@ -99,18 +81,14 @@ class ShardLoader:
         self.paths = find_shards(data_dir, split)
         self.shards = [read_shard(p) for p in self.paths]
         self.batch_size, self.window_len = batch_size, block_size + 1
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        import torch  # here, not at the top: the prepare scripts read this file's constants and start without torch
-        self.device = torch.device(device)
+        self.seed, self.rank, self.world_size, self.device = seed, rank, world_size, device
         # windows per shard and epoch: all that fit, less one when there are several (room to shift the grid)
-        fits = [len(s) // self.window_len for s in self.shards]
-        self.windows = [n - 1 if n >= 2 else n for n in fits]
+        self.windows = [n - 1 if n >= 2 else n for n in (len(s) // self.window_len for s in self.shards)]
         self.windows_per_rank = [n // world_size for n in self.windows]
         if sum(self.windows_per_rank) == 0:
-            n_tokens = sum(len(s) for s in self.shards)
-            raise UserError(f"{data_dir}: the {split} split ({n_tokens} tokens in {len(self.shards)} shards) is shorter than "
-                            f"one window of block_size + 1 = {self.window_len} tokens per shard and rank; "
-                            "lower block_size or prepare more data")
+            raise UserError(f"{data_dir}: the {split} split ({sum(map(len, self.shards))} tokens in {len(self.shards)} "
+                            f"shards) is shorter than one window of block_size + 1 = {self.window_len} tokens per shard "
+                            "and rank; lower block_size or prepare more data")
         self.epoch, self.shard, self.window = 0, 0, 0
         self._order_key, self._order = None, None
 
@@ -153,11 +131,8 @@ class ShardLoader:
 
     def next_batch(self):
         """x, y: int64 tensors of shape (batch_size, block_size) on the device; y is x shifted by one token."""
-        import torch
+        import torch  # here, not at the top: the prepare scripts read this file's constants and start without torch
         windows = np.stack([self._next_window() for _ in range(self.batch_size)]).astype(np.int64)  # (B, T+1)
-        x, y = torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())
-        if self.device.type == "cuda":  # pinned host memory lets the copy overlap with compute
-            x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
-        elif self.device.type != "cpu":  # MPS and any other accelerator: a plain copy
-            x, y = x.to(self.device), y.to(self.device)
-        return x, y
+        pinned = torch.device(self.device).type == "cuda"  # pinned host memory lets the copy overlap with compute
+        return tuple((t.pin_memory() if pinned else t).to(self.device, non_blocking=pinned)  # on the CPU: t itself
+                     for t in (torch.from_numpy(windows[:, :-1].copy()), torch.from_numpy(windows[:, 1:].copy())))
