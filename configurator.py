@@ -26,15 +26,13 @@ def configure(defaults: dict, argv: list[str]) -> dict:
         arg = args.pop(0)
         if not arg.startswith("--"):
             for key, value in _run_config_file(arg).items():
-                _check_known(defaults, key, f"{arg}: ")
-                settings[key] = _coerce(defaults[key], value, None, f"{arg}: {key}")
+                settings[key] = _coerce(_default(defaults, key, f"{arg}: "), value, None, f"{arg}: {key}")
             continue
         key, has_value, raw = arg[2:].partition("=")
         key = key.replace("-", "_")
-        _check_known(defaults, key, "")
-        if not has_value:
-            raw = _take_value(key, defaults[key], args)
-        settings[key] = _coerce(defaults[key], _parse(raw), raw, f"--{key}")
+        default = _default(defaults, key, "")
+        raw = raw if has_value else _take_value(key, default, args)
+        settings[key] = _coerce(default, _parse(raw), raw, f"--{key}")
     return settings
 
 
@@ -61,26 +59,24 @@ def _coerce(default, value, raw, label):
     kind, number = type(default), isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is bool and str(value).lower() in _BOOL_WORDS:  # True, 1, "true" and "TRUE" all read as true
         return _BOOL_WORDS[str(value).lower()]
-    if kind is int and number and float(value).is_integer():
-        return int(value)  # so that --max_iters=1e5 works
-    if kind is float and number:
-        return float(value)
+    if kind in (int, float) and number and (kind is float or float(value).is_integer()):
+        return kind(value)  # so that --max_iters=1e5 is the int 100000
     if kind is str and (isinstance(value, str) or raw is not None):
         return value if isinstance(value, str) else raw  # the default says text: --dataset=123 means '123'
     if kind in (tuple, list) and isinstance(value, (tuple, list)):
         return kind(value)
     if default is None or kind not in (bool, int, float, str, tuple, list) and isinstance(value, kind):
         return value
-    expected = {bool: "True or False", int: "an int", float: "a float", str: "a string"}.get(kind)
-    shown = raw if raw is not None else value
-    raise UserError(f"{label}: expected {expected or 'a ' + type(default).__name__}, got {shown!r}")
+    expected = {bool: "True or False", int: "an int", float: "a float", str: "a string"}.get(kind, "a " + kind.__name__)
+    raise UserError(f"{label}: expected {expected}, got {raw if raw is not None else value!r}")
 
 
-def _check_known(defaults, key, where):
+def _default(defaults, key, where):
+    """The default of setting key, or UserError for a key that is no setting (where: the config file named)."""
     if key not in defaults:
         from gpt.hints import did_you_mean
-
         raise UserError(f"{where}unknown setting {key!r}{did_you_mean(key, defaults)}")
+    return defaults[key]
 
 
 def _run_config_file(path):
@@ -90,7 +86,6 @@ def _run_config_file(path):
             source = f.read()
     except OSError as e:
         from gpt.hints import did_you_mean
-
         hint = did_you_mean(path, glob.glob("config/*.py"))
         raise UserError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
     namespace = {}
