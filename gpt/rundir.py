@@ -1,11 +1,10 @@
 """The out_dir of a training run, as train.py's rank 0 holds it: a lock, from RunDir() to close(), so one run at a time
-writes there; metrics.jsonl (also sent to wandb if asked); ckpt.pt, written with Ctrl-C held off. A failed write (a
-full disk, a quota) stops the run with a message naming the checkpoint that is still intact."""
+writes there; metrics.jsonl (also sent to wandb if asked); ckpt.pt, written to a temp file and renamed, so the last
+checkpoint stays whole whatever stops a write (a full disk, a second Ctrl-C). A failed write stops the run in one line."""
 
 import contextlib
 import json
 import os
-import signal
 
 import torch
 
@@ -18,7 +17,6 @@ class RunDir:
         self.out_dir = settings["out_dir"]
         self.ckpt_path = os.path.join(self.out_dir, "ckpt.pt")
         self.log_path = os.path.join(self.out_dir, "metrics.jsonl")
-        self.saved_iter = None  # the iteration of the checkpoint on disk, once this run resumed or saved one
         self.wandb, self.created = None, not os.path.isdir(self.out_dir)
         try:
             os.makedirs(self.out_dir, exist_ok=True)
@@ -37,7 +35,6 @@ class RunDir:
     def start(self, settings, resumed_iter):
         """A resumed run continues the log from its checkpoint (of iteration resumed_iter); any other starts afresh,
         removing what an earlier run left (the constructor refused a checkpoint there unless overwrite=True)."""
-        wandb = None
         if settings["wandb_log"]:  # imported before anything is removed
             try:
                 import wandb
@@ -46,19 +43,17 @@ class RunDir:
                                 "(or drop --wandb_log)") from None
         if resumed_iter is not None:
             from gpt.resume import keep_records_until
-
-            self.saved_iter = resumed_iter
             try:
                 keep_records_until(self.log_path, resumed_iter)
             except OSError as e:
-                raise self.write_failed(self.log_path, e) from None
+                raise write_failed(self.log_path, e) from None
         else:
             if os.path.exists(self.ckpt_path):
                 print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
             for path in (self.ckpt_path, self.log_path):
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(path)
-        if wandb:
+        if settings["wandb_log"]:
             self.wandb = wandb
             wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                        dir=self.out_dir)
@@ -68,36 +63,12 @@ class RunDir:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
-            raise self.write_failed(self.log_path, e) from None
+            raise write_failed(self.log_path, e) from None
         if self.wandb:
             self.wandb.log(record, step=record["iter"])
 
     def save(self, checkpoint):
-        """Writes ckpt.pt with SIGINT and SIGTERM held (a second Ctrl-C too): a stop never cuts the write short. They
-        are held by a handler that records them, not by a signal mask: a mask holds a signal for the main thread only,
-        and the kernel hands one sent to the process to any other thread (torch's) that does not block it."""
-        held, signums = [], (signal.SIGINT, signal.SIGTERM)
-        handlers = {signum: signal.signal(signum, lambda signum, frame: held.append(signum)) for signum in signums}
-        try:
-            save_checkpoint(self.ckpt_path, checkpoint)
-        except UserError as e:
-            raise self.failure(str(e)) from None
-        finally:
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
-            for signum in held:  # delivered now, to the handlers the run had: a first stops it, a second ends it
-                signal.raise_signal(signum)
-        self.saved_iter = checkpoint["iter_num"]
-
-    def failure(self, message):
-        """A UserError: message, then which checkpoint (if any) the run can be resumed from."""
-        if self.saved_iter is None:
-            return UserError(f"{message}; this run has saved no checkpoint yet")
-        return UserError(f"{message}; {self.ckpt_path} still holds the checkpoint of iter {self.saved_iter}: continue "
-                         "from it with --init_from=resume")
-
-    def write_failed(self, path, error):
-        return self.failure(f"could not write {path} ({write_failure(error)})")
+        save_checkpoint(self.ckpt_path, checkpoint)
 
     def close(self):
         if self.wandb:
@@ -109,10 +80,16 @@ class RunDir:
                 os.rmdir(self.out_dir)
 
 
+def write_failed(path, error):
+    """The UserError of a failed write in out_dir: the OS's reason, and the way on (ckpt.pt was never cut short)."""
+    return UserError(f"could not write {path} ({write_failure(error)}); the last checkpoint this run saved, if any, is "
+                     "whole: free some space and continue from it with --init_from=resume")
+
+
 def save_checkpoint(path, checkpoint):
     """torch.save through atomic_open: the checkpoint saved before stays until this one is whole."""
     try:
         with atomic_open(path) as f:  # a file object, not a path: torch then keeps the OSError of a failed write
             torch.save(checkpoint, f)
     except Exception as e:  # OSError, or torch's RuntimeError around one, or an object that cannot be saved
-        raise UserError(f"could not write checkpoint {path} ({write_failure(e)})") from None
+        raise write_failed(path, e) from None
