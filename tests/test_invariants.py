@@ -347,6 +347,46 @@ def test_configs_cover_every_setting():
     assert any(0 < c.window < c.block_size // 4 for c in configs)  # a window that really cuts
 
 
+# settings that leave the logits of the same weights as they are: dropout in eval mode, block_size within the context
+SAME_LOGITS = ("dropout", "block_size")
+# settings whose defaults need other parameters (GPT-2's 50k vocabulary, 12 layers...): the model changes by them
+GEOMETRY = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "mlp", "mlp_hidden", "qk_norm")
+
+
+def test_every_setting_an_entry_turns_on_changes_its_logits():
+    """Each field an entry of CONFIGS sets away from its default, on the same weights with that field back at its
+    default, gives other logits: a new setting whose code runs on no path (a soft cap never applied, skips never
+    added) fails here, where the cache and decoding checks, comparing the model with itself, all pass. A field whose
+    default needs other parameters (other shapes, a norm fewer) changes the model by them: nothing to compare; one
+    that adds parameters (a learned scalar) is compared without them."""
+    checked = []
+    for name in NAMES:
+        model = build(name, "cpu")
+        idx = token_ids(model.config.vocab_size, (2, 16), seed=1)
+        with torch.no_grad():
+            on = model(idx)[0]
+        state = model.state_dict()
+        for f in fields(GPTConfig):
+            if f.name in SAME_LOGITS + GEOMETRY or getattr(model.config, f.name) == f.default:
+                continue
+            try:
+                off_config = replace(model.config, **{f.name: f.default})
+            except ValueError:  # the default does not fit the rest of this entry (a head count, a width)
+                continue
+            if off_config == model.config:  # a default that resolves to this value (head_dim 0: n_embd // n_head)
+                continue
+            off = GPT(off_config).eval()
+            if any(key not in state or state[key].shape != value.shape for key, value in off.state_dict().items()):
+                continue
+            off.load_state_dict({key: state[key] for key in off.state_dict()})
+            with torch.no_grad():
+                difference = (off(idx)[0] - on).abs().max().item()
+            assert difference > TOL * on.abs().max().item(), f"{name}: {f.name}={getattr(model.config, f.name)!r} " \
+                f"gives the logits of {f.name}={f.default!r} (max difference {difference:.2g}): its code runs on no path"
+            checked.append(f.name)
+    assert {"bias", "window", "rope_base", "tie_embeddings", "norm_eps"} <= set(checked), checked
+
+
 def test_every_setting_says_whether_it_changes_the_visible_keys():
     for field in fields(GPTConfig):
         assert (field.name in VISIBLE_KEYS) != (field.name in SAME_KEYS), (
