@@ -1,82 +1,58 @@
-"""How many CPU threads a command should use on a machine shared with other work.
-
-torch starts one thread per core, and OpenMP's waiting threads spin: two such processes on the same cores spin against
-each other, far slower than each taking only the cores the other leaves free (bench/RESULTS.md). So every command that
-computes on the CPU (train.py, sample.py, eval.py, attention.py) takes the cores left free, says so once, and
-(train.py) looks again at every log:
-
-    cpu = shared_cpu(device, threads)   # before loading the model, which overlaps the look at the machine
-    note = cpu and cpu.check()          # after: torch's threads set; the line to print, or None
-"""
+"""How many CPU threads a command takes on a machine shared with other work. torch starts one thread per core, and
+OpenMP's waiting threads spin: two such processes on the same cores spin against each other, far slower than each
+taking only the cores the other leaves free (bench/RESULTS.md: 2.5x-39x). So every command computing on the CPU takes
+those, says so once, and (train.py) looks again at every log:
+    cpu = shared_cpu(device, threads)   # before loading the model: the first look at the machine overlaps the load
+    note = cpu and cpu.check()          # after: torch's threads set; the line to print, or None"""
 
 import os
 import time
 
 import torch
 
-LOOK_SECONDS = 0.1  # the shortest first look (the counters tick 100 times a second); as good as 0.25 s (bench_busy.py)
-CHECK_SECONDS = 1.0  # the shortest span a later check reads: over a few ticks, the counters say little
+LOOK_SECONDS, CHECK_SECONDS = 0.1, 1.0  # the shortest spans read: the first look, then later ones (100 ticks a second)
 BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer threads
 
 
 def cpu_counters():
-    """(all, idle) CPU seconds of the machine, summed over its cores (/proc/stat), and this process's own CPU seconds;
-    None where there are no such counters (macOS, Windows)."""
+    """(all, idle) CPU seconds of the machine over its cores (/proc/stat), and this process's own; None elsewhere."""
     try:
         with open("/proc/stat") as f:
             ticks = [int(field) for field in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
     except (OSError, ValueError):
         return None
-    per_second = os.sysconf("SC_CLK_TCK")
-    own = os.times()
-    return sum(ticks) / per_second, (ticks[3] + ticks[4]) / per_second, own.user + own.system
-
-
-def busy_cores(before, after, cores):
-    """Cores other processes kept busy between two cpu_counters() readings (this process's taken out), or None."""
-    if before is None or after is None or after[0] <= before[0]:
-        return None
-    busy = (after[0] - before[0]) - (after[1] - before[1]) - (after[2] - before[2])
-    return max(0.0, busy / (after[0] - before[0]) * cores)
-
-
-def threads_for(busy, most, cores):
-    """The threads to take while others keep `busy` cores busy: those left free, at least 1, at most `most`."""
-    return most if busy is None or busy < BUSY_CORES else max(1, min(most, round(cores - busy)))
+    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
+    return sum(ticks) / hz, (ticks[3] + ticks[4]) / hz, own.user + own.system
 
 
 class SharedCpu:
-    """The run's CPU threads, chosen at each check(); requested > 0, or OMP_NUM_THREADS set: that many, never changed.
-    The first look runs from here to the first check(), so work done meanwhile (loading the model) overlaps it."""
+    """The threads other processes leave free, at least 1 and at most torch's own count, chosen at each check(); a
+    count the user chose (threads > 0, OMP_NUM_THREADS) is kept. The first look runs from here to the first check()."""
 
-    def __init__(self, requested=0, cores=None, counters=None, choose="pass --threads=N", look=LOOK_SECONDS):
-        self.cores, self.counters, self.said = cores or os.cpu_count(), counters or cpu_counters, False
-        self.choose = choose  # how the note says to pick a count
-        self.fixed = requested > 0 or "OMP_NUM_THREADS" in os.environ
-        if requested > 0:
-            torch.set_num_threads(requested)
-        self.most = torch.get_num_threads()
-        self.last = None if self.fixed or self.most <= 1 else self.counters()  # one thread: nothing to take away
-        self.span, self.look_ends = look, time.monotonic() + look  # the first check reads no sooner
+    def __init__(self, threads=0, choose="pass --threads=N"):
+        if threads:
+            torch.set_num_threads(threads)
+        self.most, self.cores, self.choose, self.said = torch.get_num_threads(), os.cpu_count(), choose, False
+        fixed = threads > 0 or "OMP_NUM_THREADS" in os.environ or self.most <= 1  # one thread: none to take away
+        self.last, self.span, self.look_ends = None if fixed else cpu_counters(), LOOK_SECONDS, time.monotonic()
 
     def check(self):
         """Take the cores left free; the line to print the first time the machine is busy, else None."""
         if self.last is None:
             return None
-        if self.look_ends is not None:  # the first look: `look` seconds at least, whatever ran meanwhile
-            time.sleep(max(0.0, self.look_ends - time.monotonic()))
-            self.look_ends = None
-        now = self.counters()
-        if now is None or (now[0] - self.last[0]) / self.cores < 0.9 * self.span:
-            return None  # too short a span to read (logs a few ms apart): wait for a longer one
-        busy, self.last, self.span = busy_cores(self.last, now, self.cores), now, CHECK_SECONDS
-        threads = threads_for(busy, self.most, self.cores)
+        time.sleep(max(0.0, self.look_ends + LOOK_SECONDS - time.monotonic()))  # the first look's end, once
+        now = cpu_counters()
+        if now is None or (now[0] - self.last[0]) / self.cores < 0.9 * self.span:  # a span too short to read: wait
+            return None
+        total, idle, own = (b - a for a, b in zip(self.last, now))
+        busy = max(0.0, total - idle - own) / total * self.cores  # the cores other processes kept busy
+        self.last, self.span, self.look_ends = now, CHECK_SECONDS, float("-inf")
+        threads = self.most if busy < BUSY_CORES else max(1, min(self.most, round(self.cores - busy)))
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         if threads == self.most or self.said:
             return None
-        self.said = True
-        crowded = "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
+        self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
         return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so this "
                 f"run takes {threads} thread{'s' * (threads > 1)} (not {self.most}) and is slower than on a quiet "
                 f"machine; stop them for full speed, or {self.choose} to choose")

@@ -17,7 +17,7 @@ import attention
 import eval as evaluate
 import sample
 from gpt import machine
-from gpt.machine import SharedCpu, busy_cores, cpu_counters, shared_cpu, threads_for
+from gpt.machine import SharedCpu, shared_cpu
 from model import GPT, GPTConfig
 from test_train import train_main, workdir  # noqa: F401 (workdir is a fixture)
 
@@ -39,18 +39,6 @@ def every_core_busy():
             proc.wait()
 
 
-@pytest.mark.parametrize("busy, expected", [(None, 8), (0.0, 8), (0.3, 8), (1.0, 7), (3.4, 5), (7.9, 1), (8.0, 1)])
-def test_a_run_takes_the_cores_other_processes_leave_free(busy, expected):
-    assert threads_for(busy, 8, 8) == expected
-    assert threads_for(busy, 4, 8) == min(expected, 4)  # never more than torch's own count
-
-
-def test_the_counters_leave_this_process_out():
-    """(all, idle, own) seconds: 2 cores for 10 s, 12 s idle, 5 s of them this process's: others kept 0.6 busy."""
-    assert busy_cores((100.0, 50.0, 1.0), (120.0, 62.0, 6.0), cores=2) == pytest.approx(0.3)
-    assert busy_cores(None, (1.0, 1.0, 1.0), cores=2) is None
-
-
 @pytest.fixture
 def two_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -66,11 +54,40 @@ def counters_from(readings):
     return lambda: next(readings)
 
 
-def test_the_run_follows_the_load_and_says_so_once(two_threads):
+def machine_of(monkeypatch, cores, readings):
+    """This process on a machine of `cores` cores whose counters read `readings`, (all, idle, own) in turn."""
+    monkeypatch.setattr(machine, "cpu_counters", counters_from(readings))
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: cores)
+
+
+@pytest.mark.parametrize("busy, expected", [(0.0, 8), (0.3, 8), (1.0, 7), (3.4, 5), (7.9, 1), (8.0, 1)])
+def test_a_run_takes_the_cores_other_processes_leave_free(two_threads, monkeypatch, busy, expected):
+    """8 cores over a 1 s look, `busy` of them kept busy by others: the threads left free, never more than torch's
+    own count."""
+    for most in (8, 4):
+        torch.set_num_threads(most)
+        machine_of(monkeypatch, 8, [(0.0, 0.0, 0.0), (8.0, 8.0 - busy, 0.0)])
+        note = SharedCpu().check()
+        assert torch.get_num_threads() == min(expected, most) and (note is None) == (min(expected, most) == most)
+
+
+def test_the_counters_leave_this_process_out(two_threads, monkeypatch):
+    """(all, idle, own) seconds: 2 cores for 10 s, 8 s idle, 5 s of them this process's: others kept 0.7 busy."""
+    machine_of(monkeypatch, 2, [(100.0, 50.0, 1.0), (120.0, 58.0, 6.0)])
+    assert "other processes keep 0.7 of its 2 cores busy" in SharedCpu().check()
+
+
+def test_without_counters_a_run_keeps_its_threads_and_says_nothing(two_threads, monkeypatch):
+    """macOS and Windows have no /proc/stat: nothing to read, nothing taken away."""
+    monkeypatch.setattr(machine, "cpu_counters", lambda: None)
+    assert SharedCpu().check() is None and torch.get_num_threads() == 2
+
+
+def test_the_run_follows_the_load_and_says_so_once(two_threads, monkeypatch):
     # 2 cores: quiet at start; a span too short to read (a few ticks, all busy: logs milliseconds apart); then
     # another process takes a whole core, a second one joins, then both stop
-    cpu = SharedCpu(cores=2, counters=counters_from([(0, 0, 0), (2, 2, 0), (2.04, 2, 0), (4, 3, 0), (6, 3, 0),
-                                                     (8, 5, 0), (10, 7, 0)]))
+    machine_of(monkeypatch, 2, [(0, 0, 0), (2, 2, 0), (2.04, 2, 0), (4, 3, 0), (6, 3, 0), (8, 5, 0), (10, 7, 0)])
+    cpu = SharedCpu()
     assert cpu.check() is None and torch.get_num_threads() == 2  # quiet
     assert cpu.check() is None and torch.get_num_threads() == 2  # 0.02 s: not read
     note = cpu.check()  # others: 1 of the 2 seconds of CPU
@@ -80,15 +97,18 @@ def test_the_run_follows_the_load_and_says_so_once(two_threads):
     assert cpu.check() is None and torch.get_num_threads() == 2
 
 
-def test_the_first_look_overlaps_what_the_process_does_meanwhile(two_threads):
+def test_the_first_look_overlaps_what_the_process_does_meanwhile(two_threads, monkeypatch):
     """The look at the machine starts with SharedCpu and the first check() ends it, waiting only for what is left
     of it: a command that loads its model meanwhile (here: sleeps as long as the look) starts no later for it."""
+    monkeypatch.setattr(machine, "LOOK_SECONDS", 0.2)
     quiet = [(0, 0, 0), (2, 2, 0)]
-    cpu = SharedCpu(cores=2, counters=counters_from(quiet), look=0.2)
+    machine_of(monkeypatch, 2, quiet)
+    cpu = SharedCpu()
     time.sleep(0.2)  # the model loading
     start = time.monotonic()
     assert cpu.check() is None and time.monotonic() - start < 0.05
-    cpu = SharedCpu(cores=2, counters=counters_from(quiet), look=0.2)
+    machine_of(monkeypatch, 2, quiet)
+    cpu = SharedCpu()
     start = time.monotonic()
     assert cpu.check() is None and time.monotonic() - start > 0.15  # nothing ran meanwhile: the look takes its time
 
@@ -101,12 +121,12 @@ def test_a_command_shares_the_cpu_only_where_it_computes_on_it(two_threads):
 
 
 def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
-    busy = counters_from([(0, 0, 0), (2, 0, 0), (4, 0, 0)])
-    cpu = SharedCpu(requested=1, cores=2, counters=busy)  # --threads=1
+    machine_of(monkeypatch, 2, [(0, 0, 0), (2, 0, 0), (4, 0, 0)])  # every core busy
+    cpu = SharedCpu(threads=1)  # --threads=1
     assert cpu.check() is None and torch.get_num_threads() == 1
     torch.set_num_threads(2)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    cpu = SharedCpu(cores=2, counters=busy)
+    cpu = SharedCpu()
     assert cpu.check() is None and torch.get_num_threads() == 2
 
 
@@ -144,7 +164,7 @@ COMMANDS = {  # each command's main(), on the CPU, with the least work that stil
 
 def machine_is(monkeypatch, busy):
     """The counters a command reads (its look's start and end): over 1 s other processes kept every core busy, or
-    none; the command's own time is taken out by busy_cores, so only others' shows."""
+    none; the command's own time is taken out by SharedCpu.check, so only others' shows."""
     cores = os.cpu_count()
     monkeypatch.setattr(machine, "cpu_counters", counters_from([(0.0, 0.0, 0.0), (cores, 0.0 if busy else cores, 0.0)]))
 
@@ -174,12 +194,12 @@ def test_on_a_quiet_machine_a_command_keeps_its_threads_and_says_nothing(two_thr
 # tests set (test_the_run_follows_the_load_and_says_so_once), since no test can make a machine quiet.
 
 
-def test_the_counters_see_a_real_load():
-    before = cpu_counters()
+def test_the_counters_see_a_real_load(two_threads):
     with every_core_busy():
+        cpu = SharedCpu()
         subprocess.run(["sleep", "0.5"])
-        busy = busy_cores(before, cpu_counters(), os.cpu_count())
-    assert busy > os.cpu_count() - 0.5, busy
+        note = cpu.check()
+    assert note and "busier than its cores" in note, note
 
 
 def test_train_says_once_that_the_machine_is_busy(workdir, tmp_path, monkeypatch, capsys):  # noqa: F811
