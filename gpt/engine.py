@@ -9,7 +9,7 @@ import types
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpt.sampling import greedy, sampling_probs
+from gpt.sampling import sample_next_token, sampling_probs
 
 
 class Samples:
@@ -63,10 +63,9 @@ def next_token_probs(logits, settings, vocab_size):
 
 
 def next_tokens(logits, settings, vocab_size, generator):
-    """gpt.sampling.sample_next_token's tokens (B, 1) without its check of the settings (sampling_probs repeats it)."""
-    if settings["temperature"] == 0:
-        return greedy(logits[:, :vocab_size])
-    return torch.multinomial(next_token_probs(logits, settings, vocab_size), num_samples=1, generator=generator)
+    """The next tokens (B, 1) from logits (B, V) as settings choose them, never past the tokenizer's vocabulary."""
+    return sample_next_token(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"],
+                             generator)
 
 
 def prefill(model, contexts, max_len, static=False):
