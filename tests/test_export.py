@@ -488,6 +488,18 @@ def test_export_refuses_a_model_that_reads_the_token_ids_naming_where(edit, monk
     assert os.listdir(tmp_path) == []
 
 
+def test_without_transformers_the_rest_of_the_proof_still_runs(monkeypatch, tmp_path):
+    """--unchecked leaves out only transformers' outputs: a rule of the tokens is refused all the same, and the plain
+    model is written."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers now raises ImportError
+    TOKEN_RULES["documents_after_the_pair_1_1"][0](monkeypatch)
+    assert_refused(our_model("llama_like"), str(tmp_path / "out"), r"^after_the_pair_1_1 \(test_export.py:\d+\) "
+                   "reads the token ids", monkeypatch)
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert export_hf(our_model("llama_like"), char_meta(), str(tmp_path / "out"))[1] is False  # written, unchecked
+
+
 def test_export_refuses_a_mask_rule_of_positions_that_is_not_causal_naming_the_first_pair(monkeypatch, tmp_path):
     """A rule of positions alone (here: from query 3 on, key 0 hidden; the first token's removal as a sink) differs
     from a Llama's at pairs the rule names: refused by the check of every pair, before any output is compared."""
