@@ -85,7 +85,7 @@ DEFAULTS = dict(
     threads=0,  # CPU threads; 0: one per core, less the cores other processes keep busy (gpt/machine.py)
     seed=1337,
 )
-MODEL_KEYS = [f for f in GPTConfig.__dataclass_fields__ if f != "vocab_size"]
+MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab_size: the dataset's if 0
 
 
 def main(argv):
