@@ -593,6 +593,23 @@ def test_no_code_outside_model_py_calls_the_head():
     assert not callers, f"logits computed outside model.logits: {callers}"
 
 
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+@torch.no_grad()
+def test_a_quantized_head_keeps_what_model_logits_does_around_it(scheme, monkeypatch):
+    """--quantize replaces every nn.Linear, the output head too; model.logits, where an edit around the head goes
+    (a soft cap), still runs on the quantized head's output: capped, and the float model's logits within int8's
+    rounding (test_quantize.py measures that on a trained model)."""
+    from gpt.quantize import quantize
+    original = GPT.logits
+    monkeypatch.setattr(GPT, "logits", lambda self, hidden: CAP * torch.tanh(original(self, hidden) / CAP))
+    model = build("gelu_mha_untied", "cpu")  # an untied head: a linear of its own
+    idx = tokens(model, (2, 8), seed=3)
+    expected = model(idx)[0]
+    actual = quantize(model, scheme)(idx)[0]
+    assert actual.abs().max() <= CAP * (1 + 1e-6), "the quantized head's logits past the cap: model.logits skipped"
+    assert (actual - expected).abs().max() < 0.25 * CAP  # measured 0.20 int8, 0.28 w8a8 (random weights)
+
+
 @pytest.mark.parametrize("name", ["swiglu_gqa_qknorm_tied", "window_mqa_relu2_bias", "gelu_mha_untied"])
 @torch.no_grad()
 def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
