@@ -20,6 +20,7 @@ import torch
 from gpt import UserError
 from gpt.files import write_json
 from gpt.bpe import byte_to_unicode, named_encoding, tokenizer_json_meta
+import model as model_py  # the module: its can_attend as it is at the time of an export (an edit, a test's patch)
 from model import GPTConfig
 
 # ----------------------------------------------------------------------------------------------------
@@ -231,8 +232,6 @@ def tokens_read(error):
 def check_mask_rule(model, tokens):
     """(2): UserError unless model.py's can_attend is a Llama's rule, key <= query, at every pair of positions of
     tokens (1, T) in every layer, without reading the tokens."""
-    import model as model_py  # its can_attend at the time of the export (an edit, or a test's patch)
-
     positions = torch.arange(tokens.size(1))
     causal = positions <= positions[:, None]  # (T, T)
     for layer in range(model.config.n_layer):
