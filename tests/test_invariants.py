@@ -257,6 +257,12 @@ def receptive_field(model, changed_at=10, seed=3):
     return (outside.max().item() if outside.numel() else 0.0), moved[last].item()
 
 
+def receptive_field_error(model):
+    """receptive_field as one number for BREAKS and INVARIANTS: a change outside the field, or 1 if the field stops short."""
+    outside, edge = receptive_field(model)
+    return max(outside, 1.0 if edge <= BROKEN else 0.0)
+
+
 def mask_vs_promise(config, seed=0):
     """can_attend's mask vs the promise, in every layer and for two token sequences, for what each attention path asks
     it: one query at every position over a whole static cache (later slots too), and chunks over a growing cache
@@ -733,10 +739,13 @@ EDITS = {  # an edit of the rule, its promise: every invariant holds
 }
 
 
+INVARIANTS = dict(mask_vs_promise=lambda model: mask_vs_promise(model.config), cache_vs_full=cache_vs_full,
+                  static_vs_growing=static_vs_growing, fast_path_vs_mask=fast_path_vs_mask,
+                  receptive_field=receptive_field_error, visible_keys=visible_keys_error)
+
+
 def every_invariant(model):
-    return dict(mask_vs_promise=mask_vs_promise(model.config), cache_vs_full=cache_vs_full(model),
-                static_vs_growing=static_vs_growing(model), fast_path_vs_mask=fast_path_vs_mask(model),
-                receptive_field=receptive_field_error(model), visible_keys=visible_keys_error(model))
+    return {name: invariant(model) for name, invariant in INVARIANTS.items()}
 
 
 @pytest.mark.parametrize("edit", EDITS)
@@ -760,7 +769,7 @@ def test_a_planted_bug_in_a_rule_of_the_tokens_is_caught(bug, caught_by, monkeyp
     monkeypatch.setitem(VISIBLE_KEYS, "window", documents_promised)
     monkeypatch.setattr(model_py, "can_attend", bug)
     model = randomize_(GPT(replace(config("window_gqa"), window=48)), seed=0)
-    result = every_invariant(model)[caught_by]
+    result = INVARIANTS[caught_by](model)  # the one invariant named: the others hold or not, whatever the bug
     assert (result is not None) if caught_by == "mask_vs_promise" else result > BROKEN, result
 
 
@@ -805,12 +814,6 @@ def window_forgotten_in_the_last_layer(query_pos, key_pos, config, layer, tokens
     """One layer's rule wrong, on every path alike: only a check of every layer's promise can tell."""
     last = layer == config.n_layer - 1
     return ORIGINAL_CAN_ATTEND(query_pos, key_pos, replace(config, window=0) if last else config, layer, tokens)
-
-
-def receptive_field_error(model):
-    """receptive_field as one number for BREAKS: a change outside the field, or 1 if the field stops short."""
-    outside, edge = receptive_field(model)
-    return max(outside, 1.0 if edge <= BROKEN else 0.0)
 
 
 BREAKS = {  # a planted bug -> the invariants that must catch it (one of them, for some config)
