@@ -148,11 +148,15 @@ def train(settings, run_dir):
         run_dir.start(settings, checkpoint and checkpoint["iter_num"])
     stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
-    log = Log(settings["max_iters"], master, iter_num,
-              mfu_of(raw_model, settings["peak_flops"], settings["block_size"], ptdtype, device_type, world_size, master))
+    peak_tokens_per_sec = None  # tokens/s at the hardware's peak FLOP/s, for MFU, where that peak is known (gpt/mfu.py)
+    if settings["peak_flops"] or device_type == "cuda":
+        from gpt import mfu
+        peak = settings["peak_flops"] or mfu.device_peak_flops(ptdtype, master)
+        peak_tokens_per_sec = peak and peak * world_size / mfu.flops_per_token(raw_model, settings["block_size"])
+    log = Log(run_dir, settings["max_iters"], iter_num)
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
             f"{world_size} process(es) on {device}, {ptdtype}" + (f"\n{note}" if note else ""))
-    timer = StepTimer(device_type, backend is not None, tokens_per_iter, elapsed)
+    timer = StepTimer(device_type, tokens_per_iter, elapsed, peak_tokens_per_sec)
 
     def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
         model_state, optimizer_states = full_state(raw_model, optimizers)
@@ -163,7 +167,7 @@ def train(settings, run_dir):
 
     save = run_dir.save if master else lambda state: None  # every rank gathers the state; rank 0 writes it
     # The loop: evaluate and checkpoint, stop, or take one optimizer step and log it
-    train_loss = torch.zeros((), device=device)  # summed on the device between logs: no sync per step
+    train_loss, logged_iter = torch.zeros((), device=device), iter_num  # summed on the device between logs: no sync per step
     while True:
         # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
         signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num,
@@ -176,7 +180,8 @@ def train(settings, run_dir):
                 losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
                 check_finite(losses["val"], iter_num, ckpt_path)
                 scores = tasks(raw_model, autocast) if tasks else {}  # lm-eval's, on every rank
-                log.evaluation(run_dir, iter_num, timer.elapsed(), losses, scores)
+                log.record(dict(iter=iter_num, time=timer.elapsed(), train_loss=losses["train"], val_loss=losses["val"],
+                                **scores))
                 improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or settings["always_save_checkpoint"]):  # the same on every rank
                     save(checkpoint_now())
@@ -190,17 +195,19 @@ def train(settings, run_dir):
         torch.manual_seed(settings["seed"] + 1_000_003 * rank + iter_num)
         time_spent = timer.elapsed() / settings["max_seconds"] if settings["max_seconds"] else None
         lr = settings["learning_rate"] * lr_multiplier(iter_num, settings, time_spent)
-        with timer.step(log):
-            train_loss += forward_backward(model, loader, micro_steps, scaler, autocast, settings["loss_chunk"])
-            grad_norm = optimizer_step(raw_model, optimizers, scaler, settings["grad_clip"], lr)
+        train_loss += forward_backward(model, loader, micro_steps, scaler, autocast, settings["loss_chunk"])
+        grad_norm = optimizer_step(raw_model, optimizers, scaler, settings["grad_clip"], lr)
+        timer.stepped()
         iter_num += 1
         if iter_num % settings["log_interval"] == 0 or iter_num == settings["max_iters"]:
-            loss = mean_over_processes(train_loss, world_size) / log.steps_since_log(iter_num)  # syncs: once a log
+            loss = mean_over_processes(train_loss, world_size) / (iter_num - logged_iter)  # syncs: once a log
             check_finite(loss, iter_num, ckpt_path)
-            record = dict(iter=iter_num, time=timer.elapsed(), loss=loss, lr=lr, grad_norm=grad_norm.item())
-            log.progress(run_dir, record | timer.figures(), shared_cpu and shared_cpu.check())
+            if shared_cpu and (note := shared_cpu.check()):  # the threads follow other processes' load
+                log.say(note)
+            log.record(dict(iter=iter_num, time=timer.elapsed(), loss=loss, lr=lr, grad_norm=grad_norm.item())
+                       | timer.figures())
             train_loss.zero_()
-        log.stepped()
+            logged_iter = iter_num
     log.close()
     if world_size > 1:  # every rank done (rank 0 may still have been saving) before the group is torn down:
         dist.barrier()  # a rank leaving while another still talks to it can abort in gloo's teardown
@@ -370,16 +377,6 @@ def catch_stop_signals():
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
     return stop_signal
-
-
-def mfu_of(model, peak_flops, block_size, ptdtype, device_type, world_size, master):
-    """A function from tokens/s to model FLOPs utilization, where the hardware's peak is known (gpt/mfu.py); else None."""
-    if not peak_flops and device_type != "cuda":
-        return None
-    from gpt.mfu import device_peak_flops, mfu
-
-    peak = peak_flops or device_peak_flops(ptdtype, master)
-    return peak and (lambda tokens_per_sec: mfu(model, tokens_per_sec, peak * world_size, block_size))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -244,9 +244,9 @@ def tail(output):
 
 def training_figures(out_dir, output):
     """A train.py run's figures from its metrics.jsonl: median ms/iter, tokens/s and MFU of the logged iterations
-    after the first two timed ones (warm-up); the first step's seconds (train.py times it alone: compilation) and
-    the graphs it compiled (compiled_graphs, where train.py logs it); the peak memory (CUDA); the final loss; the
-    precision train.py picked; the warnings it printed. A loss that is not finite fails the row."""
+    after the first two timed ones (warm-up); the first step's seconds (train.py times it alone: compilation); the
+    peak memory (CUDA); the final loss; the precision train.py picked; the warnings it printed. A loss that is not
+    finite fails the row."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     steps = [r for r in records if "loss" in r]
@@ -255,7 +255,7 @@ def training_figures(out_dir, output):
     figures = {key: statistics.median(r[key] for r in timed) for key in ("ms_per_iter", "tokens_per_sec", "mfu")
                if timed and key in timed[0]}
     first = next((r for r in records if "first_step_s" in r), {})
-    figures.update(first_step_s=first.get("first_step_s"), compiled_graphs=first.get("compiled_graphs"),
+    figures.update(first_step_s=first.get("first_step_s"),
                    peak_memory_gb=max((r["peak_memory_gb"] for r in records if "peak_memory_gb" in r), default=None),
                    final_loss=steps[-1]["loss"] if steps else None, iters=steps[-1]["iter"] if steps else 0)
     precision = PRECISION.search(output)
@@ -282,14 +282,14 @@ def speed(figures):
 
 
 def compile_note(ctx, figures, output):
-    """What a --compile=True run says about compilation. On CUDA it must have compiled: train.py logs the graphs it
-    compiled as compiled_graphs, and 0 or none fails the row. On the CPU train.py does not compile."""
+    """What a --compile=True run says about compilation. On CUDA it must have compiled: train_run counts the graphs
+    as compiled_graphs, and 0 or none fails the row. On the CPU train.py does not compile."""
     if not ctx.cuda:
         return "compile unused: train.py compiles on CUDA only"
     graphs = figures.get("compiled_graphs")
     if not graphs:
-        raise RowFailed(f"--compile=True, but metrics.jsonl says compiled_graphs={graphs}: torch.compile compiled "
-                        "no graph (or this train.py does not count them)", output, figures)
+        raise RowFailed(f"--compile=True, but torch's trace shows compiled_graphs={graphs}: torch.compile compiled "
+                        "no graph", output, figures)
     return f"first step {figures['first_step_s']:.1f} s ({graphs} graphs compiled)"
 
 
@@ -307,14 +307,32 @@ def train_command(ctx, name, *settings, processes=None):
 
 
 def train_run(ctx, name, *settings, processes=None):
-    """Run train.py for a row; its figures, and its output."""
+    """Run train.py for a row; its figures, and its output. A compiled run on CUDA runs under torch's structured
+    trace (TORCH_TRACE), from which compiled_graphs counts the graphs Dynamo compiled (None where none was traced)."""
     env = None
     if processes is not None:  # --device=cuda:N: torchrun sees that card alone (ctx.one_card)
         env = dict(os.environ, **ctx.one_card)
         if not ctx.cuda:
             env.setdefault("OMP_NUM_THREADS", "1")  # gloo processes sharing the cores: one thread each is far faster
+    trace = None
+    if ctx.cuda and "--compile=True" in settings:
+        trace = tempfile.mkdtemp(prefix=f"trace_{name}_", dir=ctx.work)
+        env = dict(env or os.environ, TORCH_TRACE=trace)
     output = must(ctx, train_command(ctx, name, *settings, processes=processes), env)
-    return training_figures(os.path.join(ctx.work, name), output), output
+    figures = training_figures(os.path.join(ctx.work, name), output)
+    figures["compiled_graphs"] = trace and compiled_graphs(trace)
+    return figures, output
+
+
+def compiled_graphs(trace):
+    """The graphs Dynamo compiled in the one process, or rank 0 of torchrun's: one "dynamo_output_graph" entry each
+    in its TORCH_TRACE log (the count torch._dynamo keeps as unique_graphs, in the same function)."""
+    count = 0
+    for path in glob.glob(os.path.join(trace, "*.log")):
+        if "_rank_" not in os.path.basename(path) or "_rank_0_" in os.path.basename(path):
+            with open(path) as f:
+                count += f.read().count('"dynamo_output_graph"')
+    return count
 
 
 def drop_checkpoint(ctx, name):

@@ -2,7 +2,14 @@
 buckets), FSDP, activation checkpointing, FSDP + activation checkpointing (on CPU with a one-process gloo group;
 train.py compiles on CUDA only, so these tests give it torch's aot_eager backend, which traces as inductor's does
 without generating code).
-Each run's first-step line says how many graphs were compiled, and says so only where some were."""
+The graphs are Dynamo's own count, taken around train.py's training step (bench/gpu_check.py counts them on a GPU
+from torch's trace, checked here too)."""
+
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,6 +25,7 @@ MODES = {"one_process": [], "ddp": [], "fsdp": ["--fsdp=True"], "activation_chec
          ["--activation_checkpointing=True"], "fsdp_activation_checkpointing": ["--fsdp=True",
                                                                                 "--activation_checkpointing=True"],
          "chunked_loss": ["--loss_chunk=37"], "ddp_chunked_loss": ["--loss_chunk=37"]}
+GPU_CHECK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "gpu_check.py")
 # the least that compiles a training step, its graphs the fewest ops: one block, one step (and its evaluations)
 RUN = ["--n_layer=1", "--max_iters=1", "--eval_interval=1", "--compile=True", "--dropout=0.0"]
 
@@ -31,6 +39,22 @@ def compiling_on_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def step_graphs(monkeypatch):
+    """The graphs Dynamo compiles inside each of train.py's training steps (forward and backward), a list that
+    fills as the run steps: evaluations, which compile graphs of their own, are left out."""
+    counted, forward_backward = [], train.forward_backward
+
+    def counting(*args, **kwargs):
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        loss = forward_backward(*args, **kwargs)
+        counted.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+        return loss
+
+    monkeypatch.setattr(train, "forward_backward", counting)
+    return counted
+
+
 def one_process_group(monkeypatch):
     """What torchrun sets for one process: train.py then runs DDP or FSDP on a gloo group of one."""
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -39,34 +63,51 @@ def one_process_group(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_every_training_mode_compiles_its_step(compiling_on_cpu, monkeypatch, workdir, tmp_path, capsys, mode):  # noqa: F811
+def test_every_training_mode_compiles_its_step(compiling_on_cpu, step_graphs, monkeypatch, workdir, tmp_path,  # noqa: F811
+                                               mode):
     if mode not in ("one_process", "activation_checkpointing", "chunked_loss"):
         one_process_group(monkeypatch)
     train_main(workdir, tmp_path, *RUN, *MODES[mode])
-    first_step = [r for r in records(tmp_path) if "first_step_s" in r]
-    assert first_step and first_step[0]["compiled_graphs"] > 0, first_step
-    assert f"torch.compile included ({first_step[0]['compiled_graphs']} graphs)" in capsys.readouterr().out
+    assert len(step_graphs) == 1 and step_graphs[0] > 0, step_graphs
+    assert [r for r in records(tmp_path) if "first_step_s" in r]
 
 
-def test_a_step_that_compiles_nothing_says_so(compiling_on_cpu, monkeypatch, workdir, tmp_path, capsys):  # noqa: F811
+def test_a_step_that_compiles_nothing_counts_no_graph(compiling_on_cpu, step_graphs, monkeypatch, workdir,  # noqa: F811
+                                                      tmp_path):
     """A step torch.compile made no graph for (here compile_blocks compiles nothing; block.compile() once did, when
-    activation checkpointing replaced the block's forward instead of wrapping the block in a module): the log says
-    the step runs eagerly instead of claiming compilation."""
+    activation checkpointing replaced the block's forward instead of wrapping the block in a module) counts none:
+    the count above is the step's, not one that any run shows."""
     def compile_nothing(model, backend):
         pass
 
     monkeypatch.setattr(parallel, "compile_blocks", compile_nothing)
     one_process_group(monkeypatch)
     train_main(workdir, tmp_path, *RUN, *MODES["fsdp_activation_checkpointing"])
-    assert [r["compiled_graphs"] for r in records(tmp_path) if "first_step_s" in r] == [0]
-    out = capsys.readouterr().out
-    assert "compiled no graph for the training step: it runs eagerly" in out and "compile included" not in out
+    assert step_graphs == [0]
 
 
-def test_without_compile_nothing_is_said_about_it(compiling_on_cpu, workdir, tmp_path, capsys):  # noqa: F811
+def test_without_compile_nothing_is_compiled_or_said_about_it(compiling_on_cpu, step_graphs, workdir,  # noqa: F811
+                                                              tmp_path, capsys):
     train_main(workdir, tmp_path, *RUN[:-2], "--compile=False")
-    assert all("compiled_graphs" not in r for r in records(tmp_path))
+    assert step_graphs == [0]
     assert "torch.compile" not in capsys.readouterr().out
+
+
+def test_gpu_check_counts_the_graphs_in_torchs_trace(tmp_path):
+    """bench/gpu_check.py's compiled_graphs reads TORCH_TRACE's log as Dynamo counts: a function with a graph break
+    compiles into two graphs."""
+    code = ("import torch\n"
+            "def f(x):\n    y = x.sin()\n    print(flush=True)\n    return y.cos()\n"
+            "torch.compile(f, backend='eager')(torch.ones(3))\n"
+            "print(torch._dynamo.utils.counters['stats']['unique_graphs'])\n")
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TORCH_TRACE=str(tmp_path)),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["2"], result.stderr
+    assert glob.glob(str(tmp_path / "*.log"))
+    spec = importlib.util.spec_from_file_location("gpu_check", GPU_CHECK)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.compiled_graphs(str(tmp_path)) == 2
 
 
 

@@ -342,7 +342,7 @@ def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
     # one card: torchrun and the tests are shown it alone (train.py under torchrun takes cuda:LOCAL_RANK)
     one = gpu_check.device_setup("cuda:1")
     assert (one["processes"], one["torchrun_device"], one["one_card"]) == (1, "cuda", {"CUDA_VISIBLE_DEVICES": "5"})
-    # a compile row on CUDA fails unless train.py says it compiled graphs (compiled_graphs, read where it is logged)
+    # a compile row on CUDA fails unless torch.compile compiled graphs (compiled_graphs, counted from torch's trace)
     ctx = SimpleNamespace(cuda=True, has_bf16=False, capability="7.5", log=str(tmp_path / "log.txt"), results={},
                           name=one["name"])
     for figures in ({"compiled_graphs": None}, {"compiled_graphs": 0}):
