@@ -38,7 +38,7 @@ import sys
 
 from configurator import configure
 from gpt import UserError
-from gpt.files import FolderInUse, lock_folder, write_failure, write_json
+from gpt.files import lock_folder, write_json
 from gpt.metrics import read_jsonl
 from gpt.shards import load_meta
 
@@ -365,13 +365,7 @@ def main(argv):
     seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
 
     out_dir = args.out_dir
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = lock_folder(out_dir)
-    except FolderInUse as e:
-        raise UserError(f"{out_dir} is in use by another compare.py (process {e.pid}); let it finish") from None
-    except OSError as e:
-        raise UserError(f"cannot use --out_dir {out_dir} ({write_failure(e)})") from None
+    lock = lock_folder(out_dir, "compare.py")
     try:
         path = os.path.join(out_dir, "comparison.json")
         comparison = load_comparison(path, out_dir, budget, groups)

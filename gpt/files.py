@@ -48,27 +48,24 @@ def write_failure(error):
     return (str(error) or type(error).__name__).splitlines()[0]
 
 
-class FolderInUse(Exception):
-    """Another process holds the folder's lock; `pid` is its process id as it wrote it (or "unknown")."""
-
-    def __init__(self, pid):
-        super().__init__(f"held by process {pid}")
-        self.pid = pid
-
-
-def lock_folder(folder):
-    """An exclusive lock on folder/lock, held until the returned file is closed or the process ends (the OS releases
-    it even after a kill, so a stale lock file never blocks); FolderInUse when another process holds it."""
-    f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
-    if fcntl is None:
-        return f
+def lock_folder(folder, holder):
+    """folder (made if missing) locked: an exclusive lock on folder/lock, held until the returned file is closed or
+    the process ends (the OS releases it even after a kill, so a stale lock file never blocks). Held by another
+    process (a holder: "training run"), or a folder that cannot be written: a UserError that says so."""
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.makedirs(folder, exist_ok=True)
+        f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
+    except OSError as e:
+        raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
+    try:
+        if fcntl:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
         pid = f.read().strip() or "unknown"  # "unknown": the holder has not written it yet
         f.close()
-        raise FolderInUse(pid) from None
+        raise UserError(f"{folder} is in use by another {holder} (process {pid}); let it finish or stop it, or use "
+                        "another --out_dir") from None
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()
