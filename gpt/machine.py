@@ -1,9 +1,9 @@
 """How many CPU threads a command takes on a machine shared with other work. torch starts one thread per core, and
 OpenMP's waiting threads spin: two such processes on the same cores spin against each other, far slower than each
-taking only the cores the other leaves free (bench/RESULTS.md: 2.5x-39x). So every command computing on the CPU takes
-those, says so once, and (train.py) looks again at every log:
-    cpu = shared_cpu(device, threads)   # before loading the model: the first look at the machine overlaps the load
-    note = cpu and cpu.check()          # after: torch's threads set; the line to print, or None"""
+taking only the cores the other leaves free (bench/RESULTS.md: 2.5x-39x). So a command computing on the CPU (or asking
+for a thread count) gets a SharedCpu from shared_cpu(): its first look at the machine runs while the model loads; each
+check() takes the threads other processes leave free (at least 1, at most torch's own count; a count the user chose,
+--threads or OMP_NUM_THREADS, is kept) and gives the line to print the first time the machine is busy, else None."""
 
 import os
 import time
@@ -26,9 +26,6 @@ def cpu_counters():
 
 
 class SharedCpu:
-    """The threads other processes leave free, at least 1 and at most torch's own count, chosen at each check(); a
-    count the user chose (threads > 0, OMP_NUM_THREADS) is kept. The first look runs from here to the first check()."""
-
     def __init__(self, threads=0, choose="pass --threads=N"):
         if threads:
             torch.set_num_threads(threads)
@@ -37,14 +34,13 @@ class SharedCpu:
         self.last, self.span, self.look_ends = None if fixed else cpu_counters(), LOOK_SECONDS, time.monotonic()
 
     def check(self):
-        """Take the cores left free; the line to print the first time the machine is busy, else None."""
         if self.last is None:
             return None
         time.sleep(max(0.0, self.look_ends + LOOK_SECONDS - time.monotonic()))  # the first look's end, once
-        now = cpu_counters()
-        if now is None or (now[0] - self.last[0]) / self.cores < 0.9 * self.span:  # a span too short to read: wait
-            return None
+        now = cpu_counters() or self.last
         total, idle, own = (b - a for a, b in zip(self.last, now))
+        if total / self.cores < 0.9 * self.span:  # a span too short to read (or no counters now): wait
+            return None
         busy = max(0.0, total - idle - own) / total * self.cores  # the cores other processes kept busy
         self.last, self.span, self.look_ends = now, CHECK_SECONDS, float("-inf")
         threads = self.most if busy < BUSY_CORES else max(1, min(self.most, round(self.cores - busy)))
@@ -58,9 +54,7 @@ class SharedCpu:
                 f"machine; stop them for full speed, or {self.choose} to choose")
 
 
-def shared_cpu(device, threads=None):
-    """A command's SharedCpu where it computes on the CPU or threads asks for a count, else None. threads: its
-    --threads (0: the cores left free), or None where it has none (the note then says OMP_NUM_THREADS chooses)."""
+def shared_cpu(device, threads=None):  # threads: the command's --threads (0: the cores left free), None: it has none
     if torch.device(device).type != "cpu" and not threads:
         return None
     return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N")
