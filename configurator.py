@@ -4,7 +4,6 @@ or a bare boolean `--flag`. A value is a Python literal, else the raw text (`--d
 the default's type (`--max_iters=1e5` is the int 100000); anything wrong is a one-line UserError; `--help` lists all."""
 
 import ast
-import glob
 import sys
 import traceback
 import types
@@ -20,8 +19,7 @@ def configure(defaults: dict, argv: list[str]) -> dict:
         from gpt.usage import usage
         print(usage(defaults))
         sys.exit(0)
-    settings = dict(defaults)
-    args = list(argv)  # consumed front to back; `--key value` takes the next one too
+    settings, args = dict(defaults), list(argv)  # args consumed front to back; `--key value` takes the next one too
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
@@ -31,23 +29,17 @@ def configure(defaults: dict, argv: list[str]) -> dict:
         key, has_value, raw = arg[2:].partition("=")
         key = key.replace("-", "_")
         default = _default(defaults, key, "")
-        raw = raw if has_value else _take_value(key, default, args)
-        settings[key] = _coerce(default, _parse(raw), raw, f"--{key}")
+        if not has_value:  # `--key value`, or a bare boolean `--flag` (true unless a bool word follows)
+            follows = bool(args) and not args[0].startswith("--")
+            if not follows and not isinstance(default, bool):
+                raise UserError(f"--{key} needs a value, as in --{key}=VALUE")
+            boolean = isinstance(default, bool) and not (follows and args[0].lower() in _BOOL_WORDS)
+            raw = "True" if boolean else args.pop(0)
+        settings[key] = _coerce(default, _literal(raw), raw, f"--{key}")
     return settings
 
 
-def _take_value(key, default, args):
-    """The value of `--key` given without `=`: the next token, or True for a bare boolean flag."""
-    has_next = bool(args) and not args[0].startswith("--")
-    if isinstance(default, bool):
-        return args.pop(0) if has_next and args[0].lower() in _BOOL_WORDS else "True"
-    if not has_next:
-        raise UserError(f"--{key} needs a value, as in --{key}=VALUE")
-    return args.pop(0)
-
-
-def _parse(raw):
-    """A Python literal if raw is one, else raw itself, so that `--dataset=shakespeare` needs no quotes."""
+def _literal(raw):  # a Python literal if raw is one, else raw itself: `--dataset=shakespeare` needs no quotes
     try:
         return ast.literal_eval(raw)
     except Exception:  # ValueError, SyntaxError, MemoryError, ...: all mean "not a literal"
@@ -71,8 +63,7 @@ def _coerce(default, value, raw, label):
     raise UserError(f"{label}: expected {expected}, got {raw if raw is not None else value!r}")
 
 
-def _default(defaults, key, where):
-    """The default of setting key, or UserError for a key that is no setting (where: the config file named)."""
+def _default(defaults, key, where):  # where: the config file that named key, if one did
     if key not in defaults:
         from gpt.hints import did_you_mean
         raise UserError(f"{where}unknown setting {key!r}{did_you_mean(key, defaults)}")
@@ -85,9 +76,8 @@ def _run_config_file(path):
         with open(path, "rb") as f:  # bytes, so compile() honours the file's encoding declaration
             source = f.read()
     except OSError as e:
-        from gpt.hints import did_you_mean
-        hint = did_you_mean(path, glob.glob("config/*.py"))
-        raise UserError(f"cannot read config file {path!r}: {e.strerror}{hint}") from None
+        from gpt.hints import config_file_hint
+        raise UserError(f"cannot read config file {path!r}: {e.strerror}{config_file_hint(path)}") from None
     namespace = {}
     try:
         exec(compile(source, path, "exec"), namespace)

@@ -23,6 +23,11 @@ def did_you_mean(word, options):
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def config_file_hint(path):
+    """did_you_mean for a config file that cannot be read, among config/*.py (the working directory's)."""
+    return did_you_mean(path, glob.glob("config/*.py"))
+
+
 def prepare_script(name):
     path = os.path.join(DATA_ROOT, name, "prepare.py")
     return path if os.path.isfile(path) else None
