@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -173,6 +174,8 @@ COMPILED_ONLY = ("reduction",)  # eager, it would hold x * W whole
 COPIES_WEIGHTS = ("onednn-packed", "onednn-int8")  # candidates only where a second copy of the weights fits
 
 choices = {}  # (rows, dtype, shapes) -> kernel name, this process's; kernels.json keeps them between runs
+seconds = {}  # the same keys -> [the chosen kernel's best seconds, float32's (measure) or None]
+FLOAT32 = "float32"  # what measure names torch's own float32 product, timed beside the candidates for other weights
 said = set()  # notes already printed (one line each, once per process)
 
 
@@ -195,25 +198,28 @@ def this_machine():
             "torch": torch.__version__, "kernels": list(KERNELS)}
 
 
-def read_choices(path):
+def read_kept(path):
+    """kernels.json's choices and their seconds ({key: name}, {key: [fastest, float32's or None]}), for this machine."""
     try:
         with open(path) as f:
             kept = json.load(f)
     except (OSError, ValueError):
-        return {}
+        return {}, {}
     if not isinstance(kept, dict) or kept.get("machine") != this_machine() or not isinstance(kept.get("choices"), dict):
-        return {}
-    return kept["choices"]
+        return {}, {}
+    return kept["choices"], kept.get("seconds") if isinstance(kept.get("seconds"), dict) else {}
 
 
-def remember(key, name):
-    """Add one choice to kernels.json (atomically); an unwritable folder costs a note, and a measurement each run."""
+def remember(key, name, times):
+    """Add one choice and its seconds to kernels.json (atomically); an unwritable folder costs a note, and a
+    measurement each run."""
     path = os.path.join(cache_dir(), "kernels.json")
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        kept = {**read_choices(path), key: name}
+        kept, kept_seconds = read_kept(path)
         with atomic_open(path, "w") as f:
-            json.dump({"machine": this_machine(), "choices": kept}, f, indent=1)
+            json.dump({"machine": this_machine(), "choices": {**kept, key: name},
+                       "seconds": {**kept_seconds, key: times}}, f, indent=1)
     except OSError as e:
         say_once(f"note: cannot keep the decode kernel choice in {path} ({e.strerror}), so each run measures it "
                  f"again (about a second); set {CACHE_ENV} to a writable folder to keep it")
@@ -253,16 +259,31 @@ def run_layers(kernel, layers, inputs):
     return [kernel(x, layer.weight, layer.bias) for layer, x in zip(layers, inputs)]
 
 
+def float32_stand_ins(layers):
+    """Float32 layers of the layers' shapes, random: what int8 or 16-bit weights are timed against (slower_mode_note).
+    None where the layers are float32 already, or a float32 copy of them would not fit."""
+    if all(layer.weight.dtype == row_dtype(layer) == torch.float32 for layer in layers) or not room_for(
+            sum(4 * layer.weight.numel() for layer in layers)):
+        return None
+    return [SimpleNamespace(in_features=layer.in_features, weight=torch.randn(layer.weight.shape),
+                            bias=None if layer.bias is None else torch.randn(layer.bias.shape)) for layer in layers]
+
+
 def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
-    """The fastest candidate, each timed on all layers in order (a model larger than the caches is then read from
-    memory, as decoding reads it), compiled if the step will be (inductor writes some products, e.g. torch.mv, as
-    loops of its own, faster than the library's eager)."""
+    """(the fastest candidate, its seconds, float32's seconds or None): each candidate timed on all layers in order (a
+    model larger than the caches is then read from memory, as decoding reads it), compiled if the step will be
+    (inductor writes some products, e.g. torch.mv, as loops of its own, faster than the library's eager). Layers
+    holding other weights than float32 time torch's own eager float32 product beside them, in the same rounds."""
     inputs = [random_rows(layer, rows) for layer in layers]
     if compiled:
         use_compile_cache()  # before the process's first compilation: inductor reads the folder once
     # isolate_recompiles: dynamo keeps at most 8 graphs of one function and runs the rest eager, timing them wrong
     runs = {name: functools.partial(torch.compile(run_layers, dynamic=False, isolate_recompiles=True) if compiled
                                     else run_layers, KERNELS[name], layers, inputs) for name in candidates}
+    stand_ins = float32_stand_ins(layers)
+    if stand_ins:
+        runs[FLOAT32] = functools.partial(run_layers, KERNELS["torch"], stand_ins,
+                                          [random_rows(layer, rows) for layer in stand_ins])
     best = {}
     with torch.inference_mode():
         for run in runs.values():
@@ -272,16 +293,21 @@ def measure(layers, rows, candidates, compiled, clock=time.perf_counter):
                 start = clock()
                 run()
                 best[name] = min(best.get(name, float("inf")), clock() - start)
-    return min(best, key=best.get)
+    fastest = min(candidates, key=best.get)
+    return fastest, best[fastest], best.get(FLOAT32)
 
 
-def room_for_a_copy(layers):
-    """Whether a second copy of the layers' weights fits in half the memory free now (Linux; elsewhere, no)."""
+def room_for(size):
+    """Whether size more bytes fit in half the memory free now (Linux; elsewhere, no)."""
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return False
-    return 2 * sum(layer.weight.numel() * layer.weight.element_size() for layer in layers) < free
+    return 2 * size < free
+
+
+def room_for_a_copy(layers):
+    return room_for(sum(layer.weight.numel() * layer.weight.element_size() for layer in layers))
 
 
 def choice_key(layers, rows, compiled):
@@ -297,16 +323,28 @@ def fastest_kernel(layers, rows, compiled):
     """The kernel for these layers (a model's linears) at rows rows, eager or compiled: remembered, else measured."""
     key = choice_key(layers, rows, compiled)
     if key not in choices:
-        remembered = read_choices(os.path.join(cache_dir(), "kernels.json")).get(key)
-        room = room_for_a_copy(layers)
-        if remembered in KERNELS and (room or remembered not in COPIES_WEIGHTS):
-            choices[key] = remembered
+        kept, kept_seconds = read_kept(os.path.join(cache_dir(), "kernels.json"))
+        remembered, room = kept.get(key), room_for_a_copy(layers)
+        if remembered in KERNELS and (room or remembered not in COPIES_WEIGHTS) and key in kept_seconds:
+            choices[key], seconds[key] = remembered, kept_seconds[key]
         else:
             candidates = usable_kernels(max(layers, key=lambda layer: layer.weight.numel()), rows, compiled)
             candidates = [name for name in candidates if room or name not in COPIES_WEIGHTS]
-            choices[key] = measure(layers, rows, candidates, compiled) if len(candidates) > 1 else candidates[0]
-            remember(key, choices[key])
+            name, fastest, float32 = measure(layers, rows, candidates, compiled)
+            choices[key], seconds[key] = name, [fastest, float32]
+            remember(key, choices[key], seconds[key])
+        slower_mode_note(key)
     return choices[key]
+
+
+def slower_mode_note(key):
+    """One line where a mode's weights (int8, 16-bit) multiply slower on this CPU than float32 ones would: it saves
+    memory there, not time (on an AVX2-only CPU int8 ran 5.7x slower than float32: bench/RESULTS.md)."""
+    fastest, float32 = seconds[key]
+    if float32 is not None and fastest > float32:
+        say_once(f"note: on this CPU, {key.split(':')[0]} multiply slower than float32 weights ({1e3 * fastest:.2f} "
+                 f"vs {1e3 * float32:.2f} ms for these layers at {key.split(':')[1].split(',')[0].strip()} row(s), "
+                 "measured): float32 (no --quantize, --dtype=float32) decodes faster here, in more memory")
 
 
 class DecodeLinear(nn.Module):
@@ -365,7 +403,7 @@ def decode_linears(model, rows, compiled=False):
 
 def chosen_note():
     path = os.path.join(cache_dir(), "kernels.json")
-    kept = f"kept in {path}" if choices.keys() <= read_choices(path).keys() else "not kept"
+    kept = f"kept in {path}" if choices.keys() <= read_kept(path)[0].keys() else "not kept"
     return f"note: decode kernels chosen for this CPU: {', '.join(dict.fromkeys(choices.values()))} ({kept})"
 
 

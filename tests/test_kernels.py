@@ -226,13 +226,16 @@ def fake_timed_kernels(monkeypatch, costs):
 def test_the_fastest_candidate_is_chosen(monkeypatch):
     clock = fake_timed_kernels(monkeypatch, {"torch": 3.0, "onednn": 1.0, "matrix-vector": 2.0})
     layers = linears_of(tiny_model())
-    assert kernels.measure(layers, 1, ["torch", "onednn", "matrix-vector"], False, clock=clock) == "onednn"
-    assert kernels.measure(layers, 1, ["torch", "matrix-vector"], False, clock=clock) == "matrix-vector"
+    # float32 layers: no float32 product to time beside them (None)
+    assert kernels.measure(layers, 1, ["torch", "onednn", "matrix-vector"], False, clock=clock) == \
+        ("onednn", 1.0 * len(layers), None)
+    assert kernels.measure(layers, 1, ["torch", "matrix-vector"], False, clock=clock)[0] == "matrix-vector"
 
 
 def test_a_choice_is_measured_once_then_remembered_on_disk(monkeypatch, cache):
     model, measured = tiny_model(), []
-    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or candidates[-1])
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or (
+        candidates[-1], 1.0, None))
     name = kernels.fastest_kernel(linears_of(model), 1, compiled=False)
     assert measured == [1] and name in kernels.KERNELS
     kept = json.loads((cache / "kernels.json").read_text())
@@ -253,10 +256,12 @@ def test_a_choice_from_another_machine_or_torch_is_measured_again(monkeypatch, c
     (cache / "kernels.json").write_text(json.dumps({"machine": {**kernels.this_machine(), field: other},
                                                     "choices": {key: "matrix-vector"}}))
     measured = []
-    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or "torch")
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or (
+        "torch", 1.0, None))
     assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) == "torch" and measured == [1]
     kept = json.loads((cache / "kernels.json").read_text())
-    assert kept == {"machine": kernels.this_machine(), "choices": {key: "torch"}}  # the stale choice is gone
+    assert kept == {"machine": kernels.this_machine(), "choices": {key: "torch"},  # the stale choice is gone
+                    "seconds": {key: [1.0, None]}}
 
 
 def test_each_thread_count_measures_and_keeps_its_own_choice(monkeypatch, cache):
@@ -264,7 +269,7 @@ def test_each_thread_count_measures_and_keeps_its_own_choice(monkeypatch, cache)
     stay: neither wipes the other's from kernels.json."""
     model, measured = tiny_model(), []
     monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(
-        torch.get_num_threads()) or candidates[-1])
+        torch.get_num_threads()) or (candidates[-1], 1.0, None))
     threads = torch.get_num_threads()
     try:
         for count in (1, 2, 1, 2):
@@ -472,13 +477,68 @@ def test_no_room_for_a_second_copy_of_the_weights_rules_out_packing(monkeypatch,
     model = tiny_model()
     measured = []
     monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(candidates)
-                        or candidates[-1])
+                        or (candidates[-1], 1.0, None))
     monkeypatch.setattr(os, "sysconf", lambda name: 4 if name == "SC_PAGE_SIZE" else 1000)  # 4 KB free
     key = kernels.choice_key(linears_of(model), 1, False)
     cache.mkdir()
-    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "onednn-packed"}}))
+    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "onednn-packed"},
+                                                    "seconds": {key: [1.0, None]}}))
     assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) != "onednn-packed"
     assert measured and "onednn-packed" not in measured[0]
+
+
+def int8_layers(model):
+    replace_linears(model, Int8WeightOnlyLinear)
+    return linears_of(model)
+
+
+@pytest.mark.parametrize("int8_cost, noted", [(3.0, True), (0.5, False)])
+def test_a_mode_slower_than_float32_here_says_so_in_one_line_each_run(monkeypatch, cache, capsys, int8_cost, noted):
+    """int8 weights' fastest kernel timed beside torch's own float32 product on float32 weights of the same shapes, in
+    the same rounds: slower (as on an AVX2-only CPU), one line says float32 is faster here; faster, nothing. A later
+    run reads both times from kernels.json and says it again without measuring."""
+    clock = fake_timed_kernels(monkeypatch, {"torch": 1.0, "int8pack": int8_cost})
+    monkeypatch.setattr(kernels, "usable_kernels", lambda layer, rows, compiled: ["int8pack"])
+    layers = int8_layers(tiny_model())
+    measure = kernels.measure
+    monkeypatch.setattr(kernels, "measure", lambda *args: measure(*args, clock=clock))
+    assert kernels.fastest_kernel(layers, 1, compiled=False) == "int8pack"
+    key = kernels.choice_key(layers, 1, False)
+    assert json.loads((cache / "kernels.json").read_text())["seconds"] == {key: [int8_cost * len(layers), len(layers)]}
+    for run in range(2):  # the second: a new run, from kernels.json only
+        lines = capsys.readouterr().err.strip().splitlines()
+        if noted:
+            assert lines == [f"note: on this CPU, int8 weights, float32 rows multiply slower than float32 weights "
+                             f"({3e3 * len(layers):.2f} vs {1e3 * len(layers):.2f} ms for these layers at 1 row(s), "
+                             "measured): float32 (no --quantize, --dtype=float32) decodes faster here, in more memory"]
+        else:
+            assert lines == []
+        monkeypatch.setattr(kernels, "choices", {})
+        monkeypatch.setattr(kernels, "said", set())
+        monkeypatch.setattr(kernels, "measure", None)  # not called: both times are kept
+        assert kernels.fastest_kernel(layers, 1, compiled=False) == "int8pack"
+
+
+def test_a_choice_kept_without_its_seconds_is_measured_again(monkeypatch, cache):
+    """A kernels.json of an earlier version (choices only): measured once more, so that a slower mode is told."""
+    layers = int8_layers(tiny_model())
+    key = kernels.choice_key(layers, 1, False)
+    cache.mkdir()
+    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "torch"}}))
+    measured = []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or (
+        "torch", 2.0, 1.0))
+    assert kernels.fastest_kernel(layers, 1, compiled=False) == "torch" and measured == [1]
+    assert json.loads((cache / "kernels.json").read_text())["seconds"] == {key: [2.0, 1.0]}
+
+
+def test_float32_is_timed_beside_int8_and_16_bit_weights_only():
+    model = tiny_model()
+    assert kernels.float32_stand_ins(linears_of(model)) is None
+    for layers in (int8_layers(tiny_model()), linears_of(tiny_model().to(torch.bfloat16))):
+        stand_ins = kernels.float32_stand_ins(layers)
+        assert [(s.weight.shape, s.weight.dtype, s.bias) for s in stand_ins] == \
+            [(layer.weight.shape, torch.float32, None) for layer in layers]
 
 
 def test_a_choice_for_int8_weights_is_kept_per_dtype_of_the_rows():
