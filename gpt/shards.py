@@ -14,8 +14,7 @@ import numpy as np
 from gpt import UserError
 
 MAGIC = 20240520  # llm.c's token shard magic
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
+HEADER_INTS, HEADER_BYTES = 256, 1024
 TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # version -> token dtype
 
 
@@ -34,7 +33,7 @@ def read_shard(path):
 
 def require_dir(data_dir):
     if not os.path.isdir(data_dir):
-        from gpt.hints import missing_dataset
+        from gpt.hints import missing_dataset  # imported only on the error, as every hint
         raise UserError(f"dataset folder {data_dir} not found; {missing_dataset(data_dir)}")
 
 
@@ -89,8 +88,7 @@ class ShardLoader:
             raise UserError(f"{data_dir}: the {split} split ({sum(map(len, self.shards))} tokens in {len(self.shards)} "
                             f"shards) is shorter than one window of block_size + 1 = {self.window_len} tokens per shard "
                             "and rank; lower block_size or prepare more data")
-        self.epoch, self.shard, self.window = 0, 0, 0
-        self._order_key, self._order = None, None
+        self.epoch, self.shard, self.window, self._order_key, self._order = 0, 0, 0, None, None
 
     def state_dict(self):
         """The next window's position: epoch, index into its shard order, window in this rank's share of the shard."""
@@ -110,8 +108,7 @@ class ShardLoader:
         """This epoch's current shard, its grid offset and window order (cached: computed once per shard)."""
         key = (self.epoch, self.shard)
         if key != self._order_key:
-            shard_order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards))
-            shard_id = int(shard_order[self.shard])
+            shard_id = int(np.random.default_rng([self.seed, self.epoch]).permutation(len(self.shards))[self.shard])
             rng = np.random.default_rng([self.seed, self.epoch, shard_id])
             n_windows = self.windows[shard_id]
             offset = int(rng.integers(len(self.shards[shard_id]) - n_windows * self.window_len + 1))
