@@ -26,6 +26,7 @@ import torch.distributed as dist
 from configurator import configure
 from gpt import UserError
 from gpt.device import resolve_device, resolve_dtype
+from gpt.machine import shared_cpu
 from gpt.progress import Log, StepTimer
 from gpt.rundir import RunDir
 from gpt.shards import ShardLoader, check_vocab, load_meta
@@ -85,12 +86,12 @@ DEFAULTS = dict(
     threads=0,  # CPU threads; 0: one per core, less the cores other processes keep busy (gpt/machine.py)
     seed=1337,
 )
-MODEL_KEYS = [f.name for f in fields(GPTConfig) if f.name != "vocab_size"]  # vocab_size: the dataset's if 0
 
 
 def main(argv):
     settings = check_settings(configure(DEFAULTS, argv))
-    run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None  # only rank 0 writes
+    # Rank 0 alone writes and prints: it alone holds the run folder (torchrun sets RANK; one process is rank 0)
+    run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None
     threads = torch.get_num_threads()  # train() may take fewer (gpt/machine.py); a caller's process gets it back
     try:
         stop_signal = train(settings, run_dir)
@@ -107,87 +108,96 @@ def main(argv):
 
 def train(settings, run_dir):
     # Setup: the processes and device, the model, its optimizers and data, and the state of a resumed run
-    rank, world_size, device = setup_processes(settings["device"])
-    master, device_type = rank == 0, device.split(":")[0]  # only the master prints, logs and saves
+    rank, world_size, device = 0, 1, resolve_device(settings["device"])
+    if "RANK" in os.environ:  # one of the processes torchrun started (gpt/parallel.py, imported only then)
+        from gpt.parallel import start_processes
+        rank, world_size, device = start_processes(device)
+    log, device_type = Log(run_dir, settings["max_iters"]), device.split(":")[0]
+    cpu = shared_cpu(device, settings["threads"])  # on a CPU, the cores other processes leave free: looked at meanwhile
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
     autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
-    shared_cpu = share_cpu(settings["threads"], device, master)
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
         from gpt.parallel import micro_steps_per_process, split_over_processes
-
         settings, note = split_over_processes(settings, world_size)  # saved as it ran
         micro_steps = micro_steps_per_process(settings, world_size)
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
     checkpoint = None
     if settings["init_from"] == "resume":  # continuing a run: gpt/resume.py, imported only then
         from gpt import resume
-
         checkpoint = resume.resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
     check_vocab(data_dir, meta, config.vocab_size)
     tasks = task_runner(settings, meta)
-    backend = compile_backend(settings["compile"], device_type)
-    model = prepare_model(raw_model.to(device), settings["activation_checkpointing"], settings["fsdp"], settings["dtype"],
-                          device, ptdtype, backend)  # what the step calls
+    model, backend = raw_model.to(device), compile_backend(settings["compile"], device_type)  # model: what steps call
+    if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():
+        from gpt.parallel import prepare  # compiled, and checkpointed, sharded or wrapped in DDP, in that order
+        model = prepare(model, settings, device, ptdtype, backend)
+    elif backend:
+        model = torch.compile(model, backend=backend)
     optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
                                  (settings["beta1"], settings["beta2"]), device_type,
                                  settings["fsdp"], settings["muon_momentum"])  # after FSDP's new parameters
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
-    iter_num, best_val_loss, elapsed = 0, float("inf"), 0.0
+    iter_num, best_val_loss, elapsed, resumed_at = 0, float("inf"), 0.0, checkpoint and checkpoint["iter_num"]
     if checkpoint:  # the weights are in the model already; now the rest of the run's state, its tensors then let go
         iter_num, best_val_loss, elapsed = resume.restore(checkpoint, settings["optimizer"], raw_model, optimizers,
                                                           loader, scaler)
-        if master:
-            print("\n".join(resume.resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
-    if master:
-        run_dir.start(settings, checkpoint and checkpoint["iter_num"])
-    stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
+        log.say("\n".join(resume.resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
+    if run_dir:
+        run_dir.start(settings, resumed_at)
+    if cpu and (note_on_cpu := cpu.check()):  # the first look's end: torch's threads set before the first step
+        log.say(note_on_cpu)
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
+    log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
+            f"{world_size} process(es) on {device}, {ptdtype}" + (f"\n{note}" if note else ""))
     peak_tokens_per_sec = None  # tokens/s at the hardware's peak FLOP/s, for MFU, where that peak is known (gpt/mfu.py)
     if settings["peak_flops"] or device_type == "cuda":
         from gpt import mfu
-        peak = settings["peak_flops"] or mfu.device_peak_flops(ptdtype, master)
+        peak = settings["peak_flops"] or mfu.device_peak_flops(ptdtype, log.say)
         peak_tokens_per_sec = peak and peak * world_size / mfu.flops_per_token(raw_model, settings["block_size"])
-    log = Log(run_dir, settings["max_iters"], iter_num)
-    log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
-            f"{world_size} process(es) on {device}, {ptdtype}" + (f"\n{note}" if note else ""))
     timer = StepTimer(device_type, tokens_per_iter, elapsed, peak_tokens_per_sec)
+    stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
 
-    def checkpoint_now():  # every rank calls it: under FSDP the state is gathered from all of them to rank 0
-        model_state, optimizer_states = full_state(raw_model, optimizers)
-        return dict(model=model_state, optimizers=optimizer_states, model_config=asdict(config), settings=settings,
-                    meta=meta, iter_num=iter_num, best_val_loss=best_val_loss, elapsed=timer.elapsed(),
-                    loader=loader.state_dict(), scaler=scaler.state_dict(),
-                    saved_at=time.time())  # wall-clock, for the resume line
+    def save():  # every rank gathers the state (under FSDP, from all of them); rank 0 writes it
+        if dist.is_initialized():
+            from gpt.parallel import full_model_state, full_optimizer_states
+            model_state, optimizer_states = full_model_state(raw_model), full_optimizer_states(raw_model, optimizers)
+        else:
+            model_state, optimizer_states = raw_model.state_dict(), [opt.state_dict() for opt in optimizers]
+        if run_dir:
+            run_dir.save(dict(model=model_state, optimizers=optimizer_states, model_config=asdict(config),
+                              settings=settings, meta=meta, iter_num=iter_num, best_val_loss=best_val_loss,
+                              elapsed=timer.elapsed(), loader=loader.state_dict(), scaler=scaler.state_dict(),
+                              saved_at=time.time()))  # wall-clock, for the resume line
 
-    save = run_dir.save if master else lambda state: None  # every rank gathers the state; rank 0 writes it
     # The loop: evaluate and checkpoint, stop, or take one optimizer step and log it
-    train_loss, logged_iter = torch.zeros((), device=device), iter_num  # summed on the device between logs: no sync per step
+    train_loss, logged_iter = torch.zeros((), device=device), iter_num  # summed on the device: no sync per step
     while True:
-        # every rank agrees on signalled (should_stop), so all of them evaluate and gather checkpoints together
-        signalled = iter_num < settings["max_iters"] and should_stop(stop_signal, world_size, iter_num,
-                                                                     settings["log_interval"], device)
-        out_of_time = 0 < settings["max_seconds"] <= timer.elapsed()
-        stopping = signalled or out_of_time or iter_num >= settings["max_iters"]
-        just_resumed = checkpoint is not None and iter_num == checkpoint["iter_num"]  # evaluated before it was saved
-        if (iter_num % settings["eval_interval"] == 0 or stopping and not signalled) and not just_resumed:
+        at_end = iter_num >= settings["max_iters"] or 0 < settings["max_seconds"] <= timer.elapsed()
+        signalled = bool(stop_signal) and not at_end
+        if world_size > 1 and not at_end:  # all processes stop at the same iteration: at a log iteration (a sync),
+            from gpt.parallel import agree_to_stop  # if any of them heard a signal
+            signalled = iter_num % settings["log_interval"] == 0 and agree_to_stop(stop_signal, device)
+        # evaluated every eval_interval and at the end; not again where a resumed run starts (it was, before its save)
+        if (iter_num % settings["eval_interval"] == 0 or at_end) and iter_num != resumed_at:
             with timer.paused():  # evaluation and checkpoint writes are not in ms/iter
                 losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
                 check_finite(losses["val"], iter_num, ckpt_path)
                 scores = tasks(raw_model, autocast) if tasks else {}  # lm-eval's, on every rank
-                log.record(dict(iter=iter_num, time=timer.elapsed(), train_loss=losses["train"], val_loss=losses["val"],
-                                **scores))
+                log.record(dict(iter=iter_num, time=timer.elapsed(), train_loss=losses["train"],
+                                val_loss=losses["val"], **scores))
                 improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or settings["always_save_checkpoint"]):  # the same on every rank
-                    save(checkpoint_now())
-        if stopping:
+                    save()
+        if at_end or signalled:
             if signalled:
-                save(checkpoint_now())
+                save()
             log.say(last_line(signalled, iter_num, ckpt_path))
             break
 
@@ -202,10 +212,11 @@ def train(settings, run_dir):
         if iter_num % settings["log_interval"] == 0 or iter_num == settings["max_iters"]:
             loss = mean_over_processes(train_loss, world_size) / (iter_num - logged_iter)  # syncs: once a log
             check_finite(loss, iter_num, ckpt_path)
-            if shared_cpu and (note := shared_cpu.check()):  # the threads follow other processes' load
-                log.say(note)
-            log.record(dict(iter=iter_num, time=timer.elapsed(), loss=loss, lr=lr, grad_norm=grad_norm.item())
-                       | timer.figures())
+            record = dict(iter=iter_num, time=timer.elapsed(), loss=loss, lr=lr, grad_norm=grad_norm.item())
+            record |= timer.figures()
+            if cpu and (note_on_cpu := cpu.check()):  # the threads follow the load of other processes
+                log.say(note_on_cpu)
+            log.record(record)
             train_loss.zero_()
             logged_iter = iter_num
     log.close()
@@ -241,28 +252,6 @@ def check_settings(settings):
     return settings
 
 
-def setup_processes(device):
-    """(rank, world_size, device) of this process: torchrun sets RANK and WORLD_SIZE (gpt/parallel.py)."""
-    device = resolve_device(device)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    from gpt.parallel import start_processes
-
-    return start_processes(device)
-
-
-def share_cpu(threads, device, master):
-    """On a CPU, only the cores other processes leave free, checked again at every log (gpt/machine.py); None on
-    a GPU unless threads is set."""
-    from gpt.machine import shared_cpu
-    cpu = shared_cpu(device, threads)
-    note = cpu and cpu.check()
-    if note and master:
-        print(note)
-    return cpu
-
-
 def build_model(settings, meta, checkpoint, ckpt_path):
     """The model on the CPU and its GPTConfig: the checkpoint's when resuming; a pretrained model's (with this run's
     dropout) when fine-tuning; else from the settings and the dataset's vocabulary. Initialized from seed (the same
@@ -278,7 +267,7 @@ def build_model(settings, meta, checkpoint, ckpt_path):
     else:
         vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)  # multiples of 64: faster matmuls
         try:
-            config = GPTConfig(vocab_size=vocab_size, **{k: settings[k] for k in MODEL_KEYS})
+            config = GPTConfig(**{key: settings[key] for key in MODEL_DEFAULTS} | dict(vocab_size=vocab_size))
         except ValueError as e:
             raise UserError(str(e).replace("GPTConfig.", "")) from None
     if settings["block_size"] > config.block_size:
@@ -310,15 +299,6 @@ def compile_backend(compile, device_type):
     """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
     run (on a CPU inductor's compilation takes minutes)."""
     return "inductor" if compile and device_type == "cuda" else None
-
-
-def prepare_model(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend):
-    """The model as the training step calls it: compiled where backend names a compiler; with activation
-    checkpointing, FSDP or under torchrun, as gpt/parallel.py prepares it (the order matters there)."""
-    if activation_checkpointing or fsdp or dist.is_initialized():
-        from gpt.parallel import prepare
-        return prepare(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend)
-    return torch.compile(model, backend=backend) if backend else model
 
 
 def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
@@ -383,16 +363,6 @@ def catch_stop_signals():
 # The loop's parts
 
 
-def should_stop(stop_signal, world_size, iter_num, log_interval, device):
-    """Whether a signal asked to stop. Under torchrun all processes must stop at the same iteration, so they agree
-    (gpt/parallel.py), only at log iterations to spare a sync per step."""
-    if world_size == 1:
-        return bool(stop_signal)
-    from gpt.parallel import agree_to_stop
-
-    return iter_num % log_interval == 0 and agree_to_stop(stop_signal, device)
-
-
 @torch.no_grad()
 def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
     """Mean loss on eval_iters batches of each split, the same batches every time (a fixed seed), spread
@@ -454,20 +424,16 @@ def forward_backward(model, loader, micro_steps, scaler, autocast, loss_chunk):
     loss_sum = 0.0
     for micro_step in range(micro_steps):
         x, y = loader.next_batch()
-        with gradient_sync(model, enabled=micro_step == micro_steps - 1):
+        sync = contextlib.nullcontext()
+        if dist.is_initialized():
+            from gpt.parallel import gradient_sync
+            sync = gradient_sync(model, enabled=micro_step == micro_steps - 1)
+        with sync:
             with autocast:
                 loss = model(x, y, loss_chunk=loss_chunk)[1]  # logits not kept through the backward
             scaler.scale(loss / micro_steps).backward()
         loss_sum += loss.detach().float() / micro_steps
     return loss_sum
-
-
-def gradient_sync(model, enabled):
-    if not dist.is_initialized():
-        return contextlib.nullcontext()
-    from gpt.parallel import gradient_sync
-
-    return gradient_sync(model, enabled)
 
 
 def optimizer_step(model, optimizers, scaler, grad_clip, lr):
@@ -486,15 +452,6 @@ def optimizer_step(model, optimizers, scaler, grad_clip, lr):
     for optimizer in optimizers:
         optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-def full_state(model, optimizers):
-    """The model's and the optimizers' state dicts, whole: gathered to rank 0 under FSDP (gpt/parallel.py)."""
-    if not dist.is_initialized():
-        return model.state_dict(), [optimizer.state_dict() for optimizer in optimizers]
-    from gpt.parallel import full_model_state, full_optimizer_states
-
-    return full_model_state(model), full_optimizer_states(model, optimizers)
 
 
 if __name__ == "__main__":

@@ -38,11 +38,11 @@ def peak_flops(gpu_name, dtype):
     return {torch.bfloat16: bf16, torch.float16: fp16}.get(dtype)
 
 
-def device_peak_flops(ptdtype, master):
-    """This GPU's peak FLOP/s in ptdtype, or None (said once) if PEAK_FLOPS does not know it."""
+def device_peak_flops(ptdtype, say):
+    """This GPU's peak FLOP/s in ptdtype, or None (said with say) if PEAK_FLOPS does not know it."""
     gpu = torch.cuda.get_device_name()
     peak = peak_flops(gpu, ptdtype)
-    if peak is None and master:
-        print(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in gpt/mfu.py's PEAK_FLOPS; pass "
+    if peak is None:
+        say(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in gpt/mfu.py's PEAK_FLOPS; pass "
               "--peak_flops=<its dense FLOP/s> to see MFU")
     return peak

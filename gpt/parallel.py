@@ -36,16 +36,16 @@ from gpt.muon import Muon
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
 
-def prepare(model, activation_checkpointing, fsdp, dtype, device, ptdtype, backend):
+def prepare(model, settings, device, ptdtype, backend):
     """The model as train.py's step calls it, in the order that works: activation checkpointing for each block; under
-    FSDP (refused on one process and in float16, where dtype says what to pass) each block is then compiled and the
-    model sharded in place (the same module comes back); otherwise the whole model is compiled and, under torchrun
-    (one process too), wrapped in DDP."""
-    if fsdp:
-        check_fsdp(dtype, "RANK" in os.environ, ptdtype)
-    if activation_checkpointing:
+    FSDP (refused on one process and in float16, where settings' dtype says what to pass) each block is then compiled
+    and the model sharded in place (the same module comes back); otherwise the whole model is compiled and, under
+    torchrun (one process too), wrapped in DDP. backend: torch.compile's, or None (eager)."""
+    if settings["fsdp"]:
+        check_fsdp(settings["dtype"], "RANK" in os.environ, ptdtype)
+    if settings["activation_checkpointing"]:
         checkpoint_blocks(model)
-    if fsdp:
+    if settings["fsdp"]:
         if backend:
             compile_blocks(model, backend)
         return shard(model, ptdtype)

@@ -16,12 +16,8 @@ FORMATS = dict(loss="loss {:.4f}", train_loss="train loss {:.4f}", val_loss="val
 class Log:
     """What rank 0 prints and records; run_dir is None on the other ranks, which print and record nothing."""
 
-    def __init__(self, run_dir, max_iters, iter_num):
-        self.run_dir, self.bar = run_dir, None
-        if run_dir and sys.stdout.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=max_iters, initial=iter_num, unit="it", dynamic_ncols=True)
+    def __init__(self, run_dir, max_iters):
+        self.run_dir, self.max_iters, self.bar = run_dir, max_iters, None
 
     def say(self, text):
         if self.bar:
@@ -30,13 +26,18 @@ class Log:
             print(text, flush=True)  # so that a log file or pipe gets each line as it happens
 
     def record(self, record):
-        """The record in metrics.jsonl (and wandb), and as one line; the bar moves on to its iteration."""
-        if self.run_dir:
-            self.run_dir.log(record)
-            figures = [FORMATS.get(key, key + " {:.4f}").format(value) for key, value in record.items()
-                       if key not in ("iter", "time")]
-            self.say(f"iter {record['iter']}: {', '.join(figures)}")
-        if self.bar:
+        """The record in metrics.jsonl (and wandb) and as one line; on a terminal the bar moves on to its iteration,
+        from the first record on (so that its ETA counts what this run did)."""
+        if not self.run_dir:
+            return
+        self.run_dir.log(record)
+        figures = [FORMATS.get(key, key + " {:.4f}").format(value) for key, value in record.items()
+                   if key not in ("iter", "time")]
+        self.say(f"iter {record['iter']}: {', '.join(figures)}")
+        if sys.stdout.isatty():
+            if not self.bar:
+                from tqdm import tqdm
+                self.bar = tqdm(total=self.max_iters, initial=record["iter"], unit="it", dynamic_ncols=True)
             self.bar.update(record["iter"] - self.bar.n)
 
     def close(self):

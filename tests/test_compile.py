@@ -130,7 +130,8 @@ def pieces_compiled_under_ddp(bucket_cap_mb):
     wrap_ddp = parallel.wrap_ddp
     try:
         parallel.wrap_ddp = lambda model, device: parallel.DDP(model, bucket_cap_mb=bucket_cap_mb)
-        step = parallel.prepare(model, False, False, "float32", "cpu", torch.float32, backend=counting)
+        settings = dict(activation_checkpointing=False, fsdp=False, dtype="float32")
+        step = parallel.prepare(model, settings, "cpu", torch.float32, backend=counting)
         x = torch.randint(0, 64, (2, 32))
         step(x, x)[1].backward()
     finally:

@@ -310,13 +310,16 @@ def interrupted(workdir, tmp_path_factory):
     """A run of 6 iterations (evaluated every 2) stopped at iteration 3 as a signal stops it: its out_dir, holding the
     checkpoint of iteration 3, and the time before it started."""
     out_dir, started = str(tmp_path_factory.mktemp("interrupted")), time.time()
-    def signal_at_3(stop_signal, world_size, iter_num, *args):  # as SIGTERM's handler would have, at iteration 3
-        if iter_num == 3:
-            stop_signal.append(signal.SIGTERM)
-        return bool(stop_signal)
+    steps, optimizer_step = [], train.optimizer_step
+
+    def signal_in_step_3(*args):  # a SIGTERM to this process while it takes its third step (to iteration 3)
+        steps.append(len(steps) + 1)
+        if steps[-1] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return optimizer_step(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(train, "should_stop", signal_at_3)
+        patch.setattr(train, "optimizer_step", signal_in_step_3)
         assert train_main(workdir, out_dir, "--max_iters=6", "--eval_interval=2") == signal.SIGTERM
     assert load_ckpt(out_dir)["iter_num"] == 3
     return out_dir, started
