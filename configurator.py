@@ -35,15 +35,12 @@ def configure(defaults: dict, argv: list[str]) -> dict:
                 raise UserError(f"--{key} needs a value, as in --{key}=VALUE")
             boolean = isinstance(default, bool) and not (follows and args[0].lower() in _BOOL_WORDS)
             raw = "True" if boolean else args.pop(0)
-        settings[key] = _coerce(default, _literal(raw), raw, f"--{key}")
+        try:
+            value = ast.literal_eval(raw)
+        except Exception:  # not a literal (ValueError, SyntaxError, ...): the text itself, `--dataset=shakespeare`
+            value = raw
+        settings[key] = _coerce(default, value, raw, f"--{key}")
     return settings
-
-
-def _literal(raw):  # a Python literal if raw is one, else raw itself: `--dataset=shakespeare` needs no quotes
-    try:
-        return ast.literal_eval(raw)
-    except Exception:  # ValueError, SyntaxError, MemoryError, ...: all mean "not a literal"
-        return raw
 
 
 def _coerce(default, value, raw, label):
