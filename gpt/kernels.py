@@ -333,18 +333,19 @@ def fastest_kernel(layers, rows, compiled):
             name, fastest, float32 = measure(layers, rows, candidates, compiled)
             choices[key], seconds[key] = name, [fastest, float32]
             remember(key, choices[key], seconds[key])
-        slower_mode_note(key)
     return choices[key]
 
 
 def slower_mode_note(key):
-    """One line where a mode's weights (int8, 16-bit) multiply slower on this CPU than float32 ones would: it saves
-    memory there, not time (on an AVX2-only CPU int8 ran 5.7x slower than float32: bench/RESULTS.md)."""
+    """The line for a choice whose weights (int8, 16-bit) multiply slower on this CPU than float32 ones would: the mode
+    saves memory there, not time (on an AVX2-only CPU int8 ran 5.7x slower than float32: bench/RESULTS.md); else None."""
     fastest, float32 = seconds[key]
-    if float32 is not None and fastest > float32:
-        say_once(f"note: on this CPU, {key.split(':')[0]} multiply slower than float32 weights ({1e3 * fastest:.2f} "
-                 f"vs {1e3 * float32:.2f} ms for these layers at {key.split(':')[1].split(',')[0].strip()} row(s), "
-                 "measured): float32 (no --quantize, --dtype=float32) decodes faster here, in more memory")
+    if float32 is None or fastest <= float32:
+        return None
+    weights, rows = key.split(":")[0], key.split(":")[1].split(",")[0].strip()
+    return (f"note: on this CPU, {weights} multiply slower than float32 weights ({1e3 * fastest:.2f} vs "
+            f"{1e3 * float32:.2f} ms for this model's layers at {rows} row{'s' if rows != '1' else ''}, measured): "
+            "float32 (no --quantize, --dtype=float32) decodes faster here, in more memory")
 
 
 class DecodeLinear(nn.Module):
@@ -404,7 +405,9 @@ def decode_linears(model, rows, compiled=False):
 def chosen_note():
     path = os.path.join(cache_dir(), "kernels.json")
     kept = f"kept in {path}" if choices.keys() <= read_kept(path)[0].keys() else "not kept"
-    return f"note: decode kernels chosen for this CPU: {', '.join(dict.fromkeys(choices.values()))} ({kept})"
+    slower = [note for note in map(slower_mode_note, choices) if note]
+    return "\n".join([f"note: decode kernels chosen for this CPU: {', '.join(dict.fromkeys(choices.values()))} "
+                      f"({kept})", *slower])
 
 
 def use_compile_cache():
