@@ -334,11 +334,9 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
 def last_line(signalled, iter_num, ckpt_path):
     """What the run says last: where its checkpoint is, and what to do with it."""
     if signalled:
-        return (f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with "
-                "--init_from=resume")
+        return f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with --init_from=resume"
     if not os.path.exists(ckpt_path):
-        return (f"done at iter {iter_num}; no checkpoint was saved: val loss never improved, and "
-                "always_save_checkpoint=False")
+        return f"done at iter {iter_num}; no checkpoint was saved: val loss never improved, and always_save_checkpoint=False"
     return (f"done at iter {iter_num}; checkpoint in {ckpt_path}, sample from it with: python sample.py "
             f"--out_dir={os.path.dirname(ckpt_path)}")
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import traceback
+import types
 
 import pytest
 import torch
@@ -1009,6 +1010,35 @@ def test_ms_per_iter_counts_every_step_of_its_interval_and_no_evaluation(workdir
     train_main(workdir, str(tmp_path / "out"), "--max_iters=8", "--eval_interval=3", "--log_interval=2")
     timed = [r["ms_per_iter"] for r in records(str(tmp_path / "out")) if "ms_per_iter" in r]
     assert len(timed) == 4 and all(100 <= ms < 300 for ms in timed), timed
+
+
+def test_each_record_is_one_line_showing_every_figure_but_the_time(capsys):
+    """Log.record writes the record (to metrics.jsonl, here a list) and prints it as one line in its order, as README
+    shows it: an evaluation's (an lm-eval score as name and value) and a log's, with MFU and peak memory."""
+    written = []
+    log = progress.Log(types.SimpleNamespace(log=written.append), max_iters=950)
+    evaluation = dict(iter=0, time=3.8, train_loss=4.88032, val_loss=4.87943, **{"hellaswag/acc": 0.25})
+    step = dict(iter=10, time=5.6, loss=4.66547, lr=8e-4, grad_norm=3.94787, first_step_s=0.194, ms_per_iter=111.43,
+                tokens_per_sec=11495.2, mfu=0.4531, peak_memory_gb=1.23)
+    log.record(evaluation)
+    log.record(step)
+    assert written == [evaluation, step]
+    assert capsys.readouterr().out.splitlines() == [
+        "iter 0: train loss 4.8803, val loss 4.8794, hellaswag/acc 0.2500",
+        "iter 10: loss 4.6655, lr 8.00e-04, grad norm 3.948, first step 0.2 s, 111.4 ms/iter, 11,495 tokens/s, "
+        "MFU 45.3%, peak memory 1.2 GB"]
+    progress.Log(None, max_iters=950).record(step)  # another rank's: nothing written or printed
+    assert written == [evaluation, step] and capsys.readouterr().out == ""
+
+
+def test_mfu_is_the_training_flops_over_the_peak(workdir, tmp_path):
+    """With --peak_flops (a GPU's peak is looked up instead) every timed log has MFU: the model's training FLOPs per
+    token (gpt/mfu.py) times its tokens/s, over the peak of all processes."""
+    train_main(workdir, tmp_path, "--max_iters=4", "--eval_interval=100", "--peak_flops=1e12")
+    timed = [r for r in records(tmp_path) if "ms_per_iter" in r]
+    model = GPT(GPTConfig(**load_ckpt(tmp_path)["model_config"]))
+    assert len(timed) == 3 and all(r["mfu"] == pytest.approx(mfu.flops_per_token(model, 32) * r["tokens_per_sec"] / 1e12)
+                                   for r in timed)
 
 
 def test_timings_wait_for_the_gpu_on_a_mac_too(monkeypatch):
