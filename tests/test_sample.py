@@ -268,8 +268,9 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
 
 def test_on_a_cpu_the_kernels_chosen_are_said_in_one_line_before_the_speed(ckpts, capsys, monkeypatch, device):
     """Where a CPU decode step is compiled or its weights are int8, each step's matrix kernel is chosen for the CPU
-    (kernels.py): stderr names it, and the file that keeps the choice, in one line. A float model decoding eager runs
-    torch's own: nothing chosen, nothing said, nothing written to the cache folder; off a CPU, never."""
+    (kernels.py): stderr names it, and the file that keeps the choice, in one line (followed, where the mode multiplies
+    slower than float32 on this CPU, by the line that says so). A float model decoding eager runs torch's own: nothing
+    chosen, nothing said, nothing written to the cache folder; off a CPU, never."""
     from gpt import kernels
     monkeypatch.setattr(kernels, "choices", {})  # this run's choices only, not those of earlier runs in this process
     kept = os.path.join(kernels.cache_dir(), "kernels.json")
@@ -281,7 +282,9 @@ def test_on_a_cpu_the_kernels_chosen_are_said_in_one_line_before_the_speed(ckpts
     notes = [line for line in err if "decode kernels" in line]
     assert SPEED.match(err[-1]) and len(notes) == (device == "cpu"), err
     if device == "cpu":
-        assert err[-2] == notes[0] and notes[0].startswith("note: decode kernels chosen for this CPU: "), err
+        slower = [line for line in err if line.startswith("note: on this CPU, ")]  # kernels.slower_mode_note's
+        assert err[-2 - len(slower):-1] == notes + slower, err  # together, after the text, before the speed
+        assert notes[0].startswith("note: decode kernels chosen for this CPU: "), err
         assert kernels.choices and all(name in notes[0] for name in kernels.choices.values())
         assert notes[0].endswith(f"(kept in {kept})")
 
