@@ -25,7 +25,7 @@ from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source
 from gpt.device import resolve_device, resolve_dtype
-from gpt.engine import Samples, chosen_kernels_note, compiles_by_default, decode_batch, graphs_by_default
+from gpt.engine import Samples, compiles_by_default, decode_batch, graphs_by_default
 from gpt.tokenizer import Tokenizer
 from gpt.sampling import check_sampling
 
@@ -138,9 +138,10 @@ def main(argv):
         print(SEPARATOR + prompt + text, end="")
     ends_line = (prompt + samples.texts[-1]).endswith("\n")  # e.g. after a stop string that ends with one
     print("" if ends_line else "\n", end="", flush=True)  # before the lines on stderr, which is not buffered
-    kernels_note = chosen_kernels_note()  # on a CPU, compiled or int8: the matrix kernels chosen (gpt/kernels.py)
-    if kernels_note:
-        print(kernels_note, file=sys.stderr)
+    if settings["compile"] or settings["quantize"]:  # on a CPU, gpt/kernels.py chose matrix kernels for the step
+        from gpt import kernels
+        if kernels.choices:
+            print(kernels.chosen_note(), file=sys.stderr)
     print(speed_line(samples, seconds, settings["num_samples"], acceptance), file=sys.stderr)
 
 

@@ -22,7 +22,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run as a script: make the repo's modules importable
-from gpt import engine, kernels, speculative
+from gpt import engine, kernels, speculative, static_step
 from gpt.checkpoint import load_model
 from gpt.cpuinfo import cpu_name
 from gpt.quantize import quantize
@@ -58,10 +58,9 @@ def step_costs(target, mode, k):
     """Seconds of --target's compiled one-token step and (k + 1)-token step in mode, on a static cache."""
     dtype, scheme = MODES[mode]
     model = quantize(load_model(target, dtype=dtype)[0], scheme)
-    kernels.use_compile_cache()
     costs = []
     with torch.inference_mode(), kernels.decode_linears(model, (k + 1, 1), compiled=True):  # as decode_lookup
-        step = engine.compile_decode_step(torch.device("cpu"), engine.chunk_logits)
+        step = static_step.compile_decode_step(torch.device("cpu"), static_step.chunk_logits)
         cache, _ = engine.prefill(model, torch.randint(0, 1000, (1, 64)), 256, static=True)
         for n in (1, k + 1):
             tokens, input_pos = torch.randint(0, 1000, (1, n)), torch.arange(cache.pos, cache.pos + n)

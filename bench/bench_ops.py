@@ -7,7 +7,7 @@
 Ops are counted on the CPU with a TorchDispatchMode, per token as the difference of two run lengths (so prefill and
 set-up cancel), views left out (they launch no work) but for `to` and `reshape`,
 which copy where the dtype or the layout changes (the issue's count): through `model.generate` (the model's own loop: a growing
-cache), and through the static-cache step `gpt.engine.decode_step` that sample.py compiles or, on CUDA, captures as
+cache), and through the static-cache step `gpt.static_step.decode_step` that sample.py compiles or, on CUDA, captures as
 a CUDA graph. Shapes: the quick start's (config/small.py, float32) and GPT-2 124M's (bfloat16, as sample.py runs it
 on CUDA), random weights. Speed: `python sample.py --prompt "ROMEO:" --temperature=0` on a config/small.py model
 trained for 30 iterations (data/shakespeare_char prepared), its "after the first 8" tokens/s, --rounds times alternating.
@@ -29,7 +29,7 @@ COUNT = r"""
 import sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from model import GPT, GPTConfig
-from gpt import engine
+from gpt import engine, static_step
 
 MAY_COPY = ("aten.to", "aten.reshape")  # views by their schema that copy where they must (a dtype, a layout)
 
@@ -63,7 +63,7 @@ def static_steps(n):  # the loop of sample.py's static cache: one decode_step a 
         cache, tokens = engine.prefill(model, prompt, 32, static=True)
         step_tokens, input_pos = tokens.clone(), torch.tensor([cache.pos])
         for _ in range(n):
-            logits = engine.decode_step(model, step_tokens, cache, input_pos)
+            logits = static_step.decode_step(model, step_tokens, cache, input_pos)
             step_tokens.copy_(logits.argmax(-1, keepdim=True))
             input_pos.add_(1)
 

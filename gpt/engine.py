@@ -1,15 +1,13 @@
-"""The decoding engine (docs/sampling.md): from a prompt's token ids to new tokens, fast, for sample.py, bench/ and
-evaluation. Speculative decoding is speculative.py's, scoring given tokens scoring.py's, settings sample.py's."""
+"""The decoding engine (docs/sampling.md): from a prompt's token ids to new tokens, for sample.py, bench/ and
+evaluation. The compiled or graphed step is static_step.py's, speculative decoding speculative.py's, scoring given
+tokens scoring.py's, settings sample.py's."""
 
 import contextlib
-import sys
 import time
-import types
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from gpt.sampling import sample_next_token, sampling_probs
+from gpt.sampling import sample_next_token
 
 
 class Samples:
@@ -57,11 +55,6 @@ def device_of(model):
     return model.embed_tokens.weight.device
 
 
-def next_token_probs(logits, settings, vocab_size):
-    """Probabilities (B, vocab_size) of the next token: the model's padding past the tokenizer's is never chosen."""
-    return sampling_probs(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"])
-
-
 def next_tokens(logits, settings, vocab_size, generator):
     """The next tokens (B, 1) from logits (B, V) as settings choose them, never past the tokenizer's vocabulary."""
     return sample_next_token(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"],
@@ -85,27 +78,6 @@ def slide(contexts, block_size):
     return contexts[:, -(block_size // 2):]
 
 
-def decode_step(model, tokens, cache, input_pos):
-    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache: the same shapes
-    every step, so torch.compile compiles it once. The caller advances cache.pos."""
-    return chunk_logits(model, tokens, cache, input_pos)[:, -1]
-
-
-def decode_attention(model):
-    """SDPA's math kernel on a CPU in float16 (compiled, inductor fuses it), where torch's CPU flash kernel is slow
-    (bench/RESULTS.md); elsewhere the default. Both compute the same attention."""
-    if device_of(model).type == "cpu" and model.embed_tokens.weight.dtype == torch.float16:
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()
-
-
-def chunk_logits(model, tokens, cache, input_pos):
-    """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: one token for
-    decode_step, or a speculative step's check of T - 1 proposed tokens."""
-    with decode_attention(model):
-        return model.logits(model.hidden_states(tokens, cache, input_pos))
-
-
 def last_logits(model, tokens, cache):
     """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T)."""
     if cache is None:
@@ -113,28 +85,9 @@ def last_logits(model, tokens, cache):
     return model.logits(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
-# On CUDA: CUDA graphs (eager, a step is hundreds of kernel launches) and gpt-fast's coordinate-descent tuning, with
-# which a batch-1 step's products become reductions fusing --quantize=int8's cast (tests/test_quantize.py shows it).
-CUDA_COMPILE_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
-COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <= 255 unused slots costs little
 # Compiling pays where reading the weights (a CPU) or launching kernels (CUDA, eager) bounds a step, or for int8 weights
 # (eager, each step makes a float copy); a smaller model's compiled code costs more to load than its tokens gain.
 COMPILE_BY_DEFAULT_BYTES = 64 * 2**20
-
-
-def compile_decode_step(device, step=decode_step):
-    """step compiled for one decoding call, its guards skipping the model's modules (checking them costs a share of
-    every CPU step). Safe: the model does not change during one call, and no other call can reuse this compiled code
-    (dynamo keeps it per code object, here a copy of step's; another model of the same shapes would pass the guards)."""
-    step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__)
-    options = {**(CUDA_COMPILE_OPTIONS if device.type == "cuda" else {}),
-               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # a new dict: compile pops it
-    return torch.compile(step, fullgraph=True, dynamic=False, options=options)
-
-
-def compiled_cache_length(positions, block_size):
-    """A compiled step's static cache length (attended over whole), rounded up so other run lengths reuse its code."""
-    return min(block_size, -(-positions // COMPILED_CACHE_STEP) * COMPILED_CACHE_STEP)
 
 
 def compiles_by_default(model):
@@ -153,47 +106,6 @@ def graphs_by_default(model):
     return device_of(model).type == "cuda" and not int8_weights(model)
 
 
-def cuda_graph_step(step=decode_step):
-    """step(model, tokens, cache, input_pos), captured in a CUDA graph at its first call and replayed at every later
-    one: an eager step's hundreds of kernels launched as one, and no compiler. A graph reads and writes the addresses
-    it recorded, so every call must pass the same tensors (new tokens and positions copied into them, a slide's
-    refill copied into the same cache): a call with another raises. On a CPU the step runs eagerly, with that check."""
-    recorded, graph, logits = None, None, None
-
-    def replay(model, tokens, cache, input_pos):
-        nonlocal recorded, graph, logits
-        addresses = [t.data_ptr() for t in (tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids)]
-        if recorded is None:
-            recorded = addresses
-            if tokens.is_cuda:
-                graph, logits = capture(lambda: step(model, tokens, cache, input_pos))
-        elif addresses != recorded:
-            raise RuntimeError("a CUDA graph's input moved: the decode step must be given the tensors it was captured "
-                               "with (copy new values into them)")
-        if graph is None:
-            return step(model, tokens, cache, input_pos)
-        graph.replay()
-        return logits  # (B, V), the graph's own tensor: rewritten by the next replay
-
-    return replay
-
-
-def capture(step):
-    """A CUDA graph of step() and its output, captured as torch's docs ask: warmed up on a side stream first (cuBLAS
-    and SDPA set up their workspaces there, not inside the graph). The warm-up runs the step for real: a decode step
-    writes its token's keys and values into its own cache slot, as the first replay then does again."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = step()
-    return graph, output
-
-
 def cpu_kernels(model, rows, compiled=False):
     """On a CPU, for a compiled step or int8 weights, kernels.decode_linears (the matrix kernels chosen for this CPU);
     elsewhere nothing changes (an eager float step runs torch's own, what config/small.py's model chooses anyway)."""
@@ -203,76 +115,46 @@ def cpu_kernels(model, rows, compiled=False):
     return decode_linears(model, rows, compiled)
 
 
-def chosen_kernels_note():
-    """gpt/kernels.py's one line on the kernels this process chose, or None where it chose none."""
-    kernels = sys.modules.get("gpt.kernels")  # imported by cpu_kernels where it chose
-    return kernels.chosen_note() if kernels and kernels.choices else None
-
-
 @torch.inference_mode()
 def decode_batch(model, prompt_ids, settings, samples, generator):
-    """Decode num_samples continuations of the prompt together, one token per step (no_kv_cache: recomputing the whole
-    context); samples that end leave the batch, except on a static cache (compiled, or a CUDA graph): a smaller batch
-    would be a new shape to compile or capture."""
-    with cpu_kernels(model, settings["num_samples"], compiled=settings["compile"] and not settings["no_kv_cache"]):
-        decode_loop(model, prompt_ids, settings, samples, generator)
-
-
-def decode_loop(model, prompt_ids, settings, samples, generator):
-    """decode_batch's steps, with the model as it is given."""
+    """Decode num_samples continuations of the prompt together, one token per step: the prompt's KV cache is computed
+    once and copied to every sample, then each step feeds the newest tokens (B, 1) and draws the next ones from their
+    logits (no_kv_cache: the whole context recomputed every step). Samples that end leave the batch, except on a static
+    cache (compiled, or a CUDA graph: gpt/static_step.py), where a smaller batch would be a new shape to compile."""
     n, block_size, device = settings["num_samples"], model.config.block_size, device_of(model)
-    vocab_size = samples.tokenizer.vocab_size
-    compiled = settings["compile"] and not settings["no_kv_cache"]
-    static = bool(compiled or settings.get("cuda_graph")) and not settings["no_kv_cache"]  # one step shape, replayed
-    if compiled:
-        from gpt.kernels import use_compile_cache
-        use_compile_cache()  # compiled once per machine: a later run loads the kernels
-        step_fn = compile_decode_step(device)
-    elif static:
-        step_fn = cuda_graph_step()
+    cached = not settings["no_kv_cache"]
+    compiled = cached and settings["compile"]
+    static = cached and bool(settings["compile"] or settings.get("cuda_graph"))  # one step shape, replayed
+    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])  # the positions this run can fill
+    step = last_logits  # step(model, tokens (B, T), cache) -> logits (B, V)
     if static:
-        step_tokens, input_pos = torch.zeros(n, 1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
-    max_len = min(block_size, len(prompt_ids) + settings["max_new_tokens"])
-    max_len = compiled_cache_length(max_len, block_size) if compiled else max_len
-    contexts = torch.tensor([prompt_ids], device=device)  # (1, T): the prompt, prefilled once
-    cache, tokens = (None, contexts) if settings["no_kv_cache"] else prefill(model, contexts, max_len, static)
-    if static:  # eager: this batch of 1 would be a second shape to compile or capture
-        logits = decode_step(model, tokens, cache, torch.tensor([cache.pos], device=device)).expand(n, -1)
-        cache.pos += 1
-    else:
-        logits = last_logits(model, tokens, cache).expand(n, -1)
-    contexts = contexts.expand(n, -1)
-    if cache is not None:
-        cache.select_rows([0] * n)  # every sample starts from the prompt's cache
-    if compiled:  # the step writes these tensors in place; a graph replays only on the addresses it recorded
-        for buffer in (cache.k, cache.v, cache.tokens):
-            torch._dynamo.mark_static_address(buffer)
-    rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
-    for step in range(settings["max_new_tokens"]):
-        tokens = next_tokens(logits, settings, vocab_size, generator)  # (B, 1)
-        contexts = torch.cat([contexts, tokens], dim=1)  # (B, T + 1)
-        for i, token in enumerate(tokens[:, 0].tolist()):
-            if rows[i] is not None and samples.add(rows[i], token):
-                rows[i] = None
-        if rows.count(None) == len(rows) or step == settings["max_new_tokens"] - 1:  # no unused forward pass
-            break
-        if None in rows and not static:  # finished samples stop costing work
-            alive = [i for i, row in enumerate(rows) if row is not None]
-            rows, contexts, tokens = [rows[i] for i in alive], contexts[alive], tokens[alive]
-            if cache is not None:
-                cache.select_rows(alive)
-        if cache is not None and cache.pos == block_size:  # the context is full: slide the window
-            refilled, tokens = prefill(model, slide(contexts, block_size), block_size, static)
-            if static:  # into the same tensors, which keep their static addresses
-                for name in ("k", "v", "tokens"):
+        from gpt.static_step import compiled_cache_length, static_step
+        step = static_step(device, n, compiled)
+        max_len = compiled_cache_length(max_len, block_size) if compiled else max_len
+    with cpu_kernels(model, n, compiled):  # on a CPU, compiled or int8: the matrix kernels chosen for it
+        contexts = torch.tensor([prompt_ids], device=device).expand(n, -1)  # (B, T): every sample starts as the prompt
+        cache, tokens = None, contexts
+        if cached:
+            cache, tokens = prefill(model, contexts[:1], max_len, static)  # the prompt once: (1, T - 1) cached
+            cache.select_rows([0] * n)
+            tokens = tokens.expand(n, -1)  # (B, 1)
+        rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
+        for _ in range(settings["max_new_tokens"]):
+            if cache is not None and cache.pos == block_size:  # the context is full: slide the window
+                refilled, tokens = prefill(model, slide(contexts, block_size), block_size, static)
+                for name in ("k", "v", "tokens"):  # into the same tensors, where a static step reads them
                     getattr(cache, name).copy_(getattr(refilled, name))
                 cache.pos = refilled.pos
-            else:
-                cache = refilled
-        if static:  # the same two input tensors every step: a slice of contexts has other strides to guard on
-            step_tokens.copy_(tokens)
-            input_pos.fill_(cache.pos)
-            logits = step_fn(model, step_tokens, cache, input_pos)
-            cache.pos += 1
-        else:
-            logits = last_logits(model, contexts if cache is None else tokens, cache)
+            logits = step(model, contexts if cache is None else tokens, cache)  # (B, V)
+            tokens = next_tokens(logits, settings, samples.tokenizer.vocab_size, generator)  # (B, 1)
+            contexts = torch.cat([contexts, tokens], dim=1)  # (B, T + 1)
+            for i, token in enumerate(tokens[:, 0].tolist()):
+                if rows[i] is not None and samples.add(rows[i], token):
+                    rows[i] = None
+            if rows.count(None) == len(rows):
+                break
+            if None in rows and not static:  # finished samples stop costing work
+                alive = [i for i, row in enumerate(rows) if row is not None]
+                rows, contexts, tokens = [rows[i] for i in alive], contexts[alive], tokens[alive]
+                if cache is not None:
+                    cache.select_rows(alive)

@@ -11,8 +11,8 @@ activations keep the model's precision, nothing of them is quantized. The same l
 - Compiled (sample.py --compile=True), a step reads int8 weights: on a CPU, kernels.py writes each decode-sized
   product as a reduction, which inductor compiles into one loop that casts and multiplies as it streams the int8
   weights (about llama.cpp's q8_0 speed: bench/RESULTS.md); on CUDA, coordinate-descent tuning
-  (engine.CUDA_COMPILE_OPTIONS) makes inductor turn a one-row product into such a reduction itself. At batch > 1 on
-  a GPU (a one-row product no more), and eager anywhere, each step first writes a float copy of every weight and
+  (static_step.CUDA_COMPILE_OPTIONS) makes inductor turn a one-row product into such a reduction itself. At batch > 1
+  on a GPU (a one-row product no more), and eager anywhere, each step first writes a float copy of every weight and
   multiplies that: more bytes than float32, so slower; sample.py compiles int8 on a CPU by default. (torch 2.13
   ignores inductor's use_mixed_mm; its prologue fusion needs max-autotune's Triton templates.) Shown by tracing on
   the CPU (tests/test_quantize.py); the GPU's speed is bench/gpu_check.py's.

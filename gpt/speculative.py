@@ -13,8 +13,14 @@ import sys
 
 import torch
 
-from gpt.engine import (chunk_logits, compile_decode_step, compiled_cache_length, cpu_kernels, device_of, last_logits,
-                        next_token_probs, next_tokens, prefill, slide)
+from gpt.engine import cpu_kernels, device_of, last_logits, next_tokens, prefill, slide
+from gpt.sampling import sampling_probs
+from gpt.static_step import chunk_logits, compile_decode_step, compiled_cache_length, mark_static
+
+
+def next_token_probs(logits, settings, vocab_size):
+    """Probabilities (B, vocab_size) of the next token: the model's padding past the tokenizer's is never chosen."""
+    return sampling_probs(logits[:, :vocab_size], settings["temperature"], settings["top_k"], settings["top_p"])
 
 
 @torch.inference_mode()
@@ -141,26 +147,21 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
     alone (a second compiled shape)."""
     k, block_size, device = settings["draft_k"], model.config.block_size, device_of(model)
     vocab_size = samples.tokenizer.vocab_size
-    step = chunk_logits
-    if settings["compile"]:
-        from gpt.kernels import use_compile_cache
-        use_compile_cache()
-        step = compile_decode_step(device, chunk_logits)
-    longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_loop sizes it
+    step = compile_decode_step(device, chunk_logits) if settings["compile"] else chunk_logits
+    longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_batch sizes it
     max_len = compiled_cache_length(longest, block_size)  # compiled or not: one cache sizing for both
     n_accepted = n_proposed = 0
     unwarmed = settings["compile"]
     for sample in range(settings["num_samples"]):
         tokens, n_new, ended, cache = list(prompt_ids), 0, False, None
         while n_new < settings["max_new_tokens"] and not ended:
-            if cache is None or cache.pos == block_size:  # start, or slide the window where decode_loop does
+            if cache is None or cache.pos == block_size:  # start, or slide the window where decode_batch does
                 window = torch.tensor([tokens], device=device)
                 window = window if cache is None else slide(window, block_size)
                 cache, _ = prefill(model, window, max_len, static=True)
                 tokens = window[0].tolist()
                 if settings["compile"]:
-                    for buffer in (cache.k, cache.v, cache.tokens):
-                        torch._dynamo.mark_static_address(buffer)
+                    mark_static(cache)
             if unwarmed and cache.pos + k < max_len:  # compile the k + 1 shape before the first token is out, not
                 # at the first proposal (a stall of seconds); what it writes past cache.pos is masked, then overwritten
                 step(model, torch.tensor([tokens[-1:] * (k + 1)], device=device), cache,

@@ -5,12 +5,13 @@ CUDA-graph step's logic (on the CPU), a float16 CPU step's attention kernel, and
 
 import copy
 import math
+import os
 from statistics import NormalDist
 
 import pytest
 import torch
 
-from gpt import engine, speculative
+from gpt import engine, speculative, static_step
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -218,6 +219,58 @@ def test_compiled_steps_of_models_of_the_same_shapes_each_decode_their_own_text(
     assert texts[0, True] == texts[0, False] and texts[2, True] == texts[2, False]
 
 
+def hide_odd_tokens(query_pos, key_pos, config, layer, tokens):
+    """An edited mask rule that reads the token ids (as document masking does): a key whose token id is odd is hidden
+    from every query but its own."""
+    visible = (key_pos <= query_pos) & (key_pos > query_pos - config.window)  # (T, S)
+    return (visible & (tokens[:, None, None, :] % 2 == 0)) | (key_pos == query_pos)  # (B, 1, T, S)
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["growing_cache", "static_cache"])
+def test_a_rule_of_the_tokens_holds_across_the_window_slides(monkeypatch, cuda_graph):
+    """The cache's token ids, which a rule of the tokens reads, are the window's after each slide's refill: greedy
+    text past block_size (4 prompt tokens + 30 new ones slide twice) is recomputing the window's, the engine's slide
+    policy, under that rule; and the rule changes the text, so the test can tell."""
+    import model as model_py
+    from gpt.tokenizer import Tokenizer, char_meta
+    tokenizer = Tokenizer(char_meta("abcdefgh"))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=V, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, window=16))
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0, 1.0)  # peaky: greedy text that depends on what each position sees
+    model.eval()
+
+    def texts():
+        samples = engine.Samples(1, tokenizer, [], stream=False)
+        engine.decode_batch(model, [1, 2, 3, 4], graph_settings(1, cuda_graph), samples, torch.Generator())
+        context, expected = [1, 2, 3, 4], []
+        with torch.no_grad():
+            for _ in range(30):
+                if len(context) > model.config.block_size:
+                    context = context[-(model.config.block_size // 2):]
+                expected.append(int(model(torch.tensor([context]))[0][0, -1, :V].argmax()))
+                context.append(expected[-1])
+        return samples.texts[0], tokenizer.decode(expected)
+
+    plain, plain_expected = texts()
+    monkeypatch.setattr(model_py, "can_attend", hide_odd_tokens)
+    decoded, expected = texts()
+    assert decoded == expected and len(decoded) == 30
+    assert plain == plain_expected and decoded != plain
+
+
+def test_a_compiled_step_keeps_its_code_in_the_cache_folder(monkeypatch, tmp_path):
+    """compile_decode_step (decode_batch's and prompt lookup's) points inductor's caches at the folder that
+    kernels.use_compile_cache chooses, so that a second run loads the compiled step (docs/sampling.md)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("GPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what importing inductor sets: no choice
+    static_step.compile_decode_step(torch.device("cpu"))
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+
+
 # ----------------------------------------------------------------------------------------------------
 # The CUDA-graph step (sample.py's default on CUDA), its logic on the CPU: the same static step, run eagerly
 
@@ -254,20 +307,20 @@ def test_a_graphed_decode_reads_and_writes_the_same_tensors_every_step_and_decod
     from gpt.tokenizer import Tokenizer, char_meta
     tokenizer, steps = Tokenizer(char_meta("abcdefgh")), []
     model = random_gpt(0, 1.0)
-    original = engine.cuda_graph_step
+    original = static_step.cuda_graph_step
 
     def recording(model, tokens, cache, input_pos):
         tensors = [tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids, *model.parameters()]
         steps.append([t.data_ptr() for t in tensors])
-        return engine.decode_step(model, tokens, cache, input_pos)
+        return static_step.decode_step(model, tokens, cache, input_pos)
 
-    monkeypatch.setattr(engine, "cuda_graph_step", lambda: original(step=recording))
+    monkeypatch.setattr(static_step, "cuda_graph_step", lambda: original(step=recording))
     texts = {}
     for cuda_graph in (True, False):
         samples = engine.Samples(2, tokenizer, [], stream=False)
         engine.decode_batch(model, [1, 2, 3, 4], graph_settings(2, cuda_graph), samples, torch.Generator())
         texts[cuda_graph] = samples.texts
-    assert len(steps) == 29  # 30 tokens: the first from an eager step (batch 1, before the prompt's cache is shared)
+    assert len(steps) == 30  # every token from the graphed step, the first too (the prompt's cache shared first)
     assert all(addresses == steps[0] for addresses in steps), "a tensor of the graphed step moved between steps"
     assert texts[True] == texts[False] and len(texts[True][0]) == 30 and len(set(texts[True][0])) > 1
 
@@ -277,7 +330,7 @@ def test_a_graphed_step_given_a_tensor_it_was_not_captured_with_raises():
     error at the next call."""
     model = random_gpt(0, 1.0)
     cache, tokens = engine.prefill(model, torch.tensor([[1, 2, 3]]), 8, static=True)
-    step, input_pos = engine.cuda_graph_step(), torch.tensor([cache.pos])
+    step, input_pos = static_step.cuda_graph_step(), torch.tensor([cache.pos])
     with torch.inference_mode():
         expected = step(model, tokens, cache, input_pos)
         torch.testing.assert_close(step(model, tokens, cache, input_pos), expected)  # the same tensors: runs again
@@ -309,12 +362,12 @@ def attention_ops_of_a_decode_step(dtype):
     with torch.no_grad():
         model.hidden_states(torch.tensor([[1, 2, 3]]), cache, torch.arange(3))
         with Recording() as recording:
-            logits = engine.decode_step(model, torch.tensor([[4]]), cache, torch.tensor([3]))
+            logits = static_step.decode_step(model, torch.tensor([[4]]), cache, torch.tensor([3]))
     return recording.ops, logits
 
 
 def test_a_float16_cpu_decode_step_runs_sdpas_math_kernel_and_the_same_attention():
-    """torch's CPU flash kernel is slow in float16 (engine.decode_attention): the step runs SDPA's math kernel
+    """torch's CPU flash kernel is slow in float16 (static_step.decode_attention): the step runs SDPA's math kernel
     there, and computes what the flash kernel does; float32 keeps the flash kernel."""
     ops, logits = attention_ops_of_a_decode_step(torch.float16)
     assert not any("flash" in op for op in ops) and any("softmax" in op for op in ops)  # the formula, op by op

@@ -10,7 +10,7 @@ answers a made-up one, so the code runs on to its end. These tests check where t
 Not covered: torch.Generator cannot be made on meta ("META device type not an accelerator"), and meta kernels
 ignore the generator they are given, so a generator on the wrong device (sample.py makes one on the model's
 device) is not caught here; the tests pass generator=None. Nor are branches taken only on CUDA (the loader's
-pinned-memory copy, decode_loop's CUDA graphs), nor torch.compile itself: the compiled decode step runs eagerly.
+pinned-memory copy, decode_batch's CUDA graphs), nor torch.compile itself: the compiled decode step runs eagerly.
 """
 
 import types

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 import eval as evaluate
 import sample
-from gpt import engine, kernels, speculative
+from gpt import engine, kernels, speculative, static_step
 from gpt.quantize import Int8WeightOnlyLinear, W8A8Linear, quantize, quantize_rows, replace_linears
 from gpt.tokenizer import Tokenizer, char_meta
 from model import GPT, GPTConfig
@@ -205,7 +205,7 @@ def test_a_w8a8_linear_keeps_the_models_dtype_and_computes_each_row_independentl
 
 @pytest.mark.parametrize("rows", [1, 8])
 def test_compiled_on_a_gpu_a_one_row_product_reads_int8_weights(rows):
-    """What inductor makes of Int8WeightOnlyLinear under engine.CUDA_COMPILE_OPTIONS, traced with its own
+    """What inductor makes of Int8WeightOnlyLinear under static_step.CUDA_COMPILE_OPTIONS, traced with its own
     decompositions on the meta device (any device but the CPU and MPS counts as a GPU to them). One row (batch-1
     decoding): the product becomes multiply-and-sum, a reduction that takes the int8-to-bf16 cast into its kernel, so
     the weights are read as int8. Several rows: a matrix multiplication of a bf16 copy of the weight made each step
@@ -216,7 +216,7 @@ def test_compiled_on_a_gpu_a_one_row_product_reads_int8_weights(rows):
 
     layer = Int8WeightOnlyLinear(nn.Linear(64, 32, bias=False).to(torch.bfloat16)).to("meta")
     x = torch.empty(1, rows, 64, device="meta", dtype=torch.bfloat16)
-    with config.patch(engine.CUDA_COMPILE_OPTIONS):
+    with config.patch(static_step.CUDA_COMPILE_OPTIONS):
         graph = make_fx(layer, decomposition_table=select_decomp_table())(x).graph
     ops = [str(node.target) for node in graph.nodes if node.op == "call_function"]
     if rows == 1:
@@ -424,11 +424,11 @@ def test_speculative_sampling_with_an_int8_draft_follows_the_fp32_target():
 
 
 def counting_compiles(monkeypatch, backend):
-    """torch.compile of engine.decode_step through `backend` (a name), each graph it is given recorded; the other
+    """torch.compile of static_step.decode_step through `backend` (a name), each graph it is given recorded; the other
     compilations (kernels.measure's) as they are. Returns the list of graphs."""
     graphs, torch_compile = [], torch.compile
 
-    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: engine.CUDA_COMPILE_OPTIONS on CUDA
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: static_step.CUDA_COMPILE_OPTIONS on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend(backend)(graph_module, example_inputs)
 
@@ -521,7 +521,7 @@ def test_compiled_on_a_cpu_int8_weights_go_into_a_reduction_not_a_float_copy(tra
     torch._dynamo.reset()
     cache = model.new_kv_cache(rows, BLOCK, static=True)
     with torch.inference_mode(), kernels.decode_linears(model, rows, compiled=True):
-        step = torch.compile(engine.decode_step, backend=backend, fullgraph=True, dynamic=False)
+        step = torch.compile(static_step.decode_step, backend=backend, fullgraph=True, dynamic=False)
         step(model, torch.zeros(rows, 1, dtype=torch.long), cache, torch.zeros(1, dtype=torch.long))
     (graph,) = [graph_module.graph for graph_module in graphs]
     weights = [node for node in graph.nodes if node.op == "placeholder" and node.meta["val"].dtype == torch.int8]

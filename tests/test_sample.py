@@ -238,7 +238,7 @@ def test_compiled_greedy_equals_eager_and_compiles_once(ckpts, capsys, monkeypat
     force_compiled_kernel(monkeypatch)
     graphs = []
 
-    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: engine.CUDA_COMPILE_OPTIONS on CUDA
+    def counting_backend(graph_module, example_inputs, **kwargs):  # kwargs: static_step.CUDA_COMPILE_OPTIONS on CUDA
         graphs.append(graph_module)
         return torch._dynamo.lookup_backend("aot_eager")(graph_module, example_inputs)
 
