@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_model, model_source
+from gpt.checkpoint import load_model
 from gpt.device import resolve_device
 from gpt.files import atomic_open, write_failure, write_json
 from gpt.tokenizer import Tokenizer
@@ -159,12 +159,11 @@ def draw(weights, layers, heads, group, labels, path):
 
 def main(argv):
     settings = configure(DEFAULTS, argv)
-    source = model_source(settings["init_from"], settings["out_dir"])
     prompt = read_prompt(settings["prompt"])
     device = resolve_device(settings["device"])
     from gpt.machine import shared_cpu
     cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
-    model, meta = load_model(source, device, torch.float32)
+    model, meta, _ = load_model(settings["out_dir"], device, torch.float32, settings["init_from"])
     config, tokenizer = model.config, Tokenizer(meta)
     layers = parse_indices(settings["layers"], config.n_layer, "layers")
     heads = parse_indices(settings["heads"], config.n_head, "heads")

@@ -25,7 +25,7 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import load_run, model_source
+from gpt.checkpoint import load_model
 from gpt.device import resolve_device, resolve_dtype
 from gpt.files import write_json
 from gpt.scoring import token_logprobs
@@ -55,7 +55,7 @@ LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eva
 
 def load(settings, device, dtype):
     """(model, tokenizer meta, the dataset it was trained on: a checkpoint's, None for a Hugging Face folder)."""
-    return load_run(model_source(settings["init_from"], settings["out_dir"]), device, dtype)
+    return load_model(settings["out_dir"], device, dtype, settings["init_from"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def main(argv):
         except ImportError:
             raise UserError("transformers is not installed, so the export's logits cannot be compared with ours; "
                             "pip install transformers, or pass --unchecked=True to write it unchecked") from None
-    model, meta = load_model(settings["out_dir"])
+    model, meta, _ = load_model(settings["out_dir"])
     config, checked = export_hf(model, meta, settings["to"])
     check = "same logits in transformers" if checked else "logits not compared: transformers is not installed"
     print(f"wrote {config['architectures'][0]} ({model.num_params() / 1e6:.2f}M parameters; {check}) to "

@@ -13,9 +13,7 @@ The decoding is gpt/engine.py's (gpt/speculative.py's with --draft): docs/sampli
 the others are printed when the batch is done; notes and the speed go to stderr.
 """
 
-import os
 import re
-import shlex
 import sys
 import time
 
@@ -23,11 +21,12 @@ import torch
 
 from configurator import configure
 from gpt import UserError
-from gpt.checkpoint import checkpoint_path, load_model, load_run, model_source
+from gpt.checkpoint import load_model
 from gpt.device import resolve_device, resolve_dtype
 from gpt.engine import Samples, compiles_by_default, decode_batch, graphs_by_default
-from gpt.tokenizer import Tokenizer
+from gpt.machine import shared_cpu
 from gpt.sampling import check_sampling
+from gpt.tokenizer import Tokenizer
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -52,7 +51,6 @@ DEFAULTS = dict(
     draft_k=4,  # tokens the draft proposes per step
 )
 LOOKUP = "lookup"  # draft=lookup: the context is the draft (prompt lookup; no model)
-DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
 SEPARATOR = "\n" + "-" * 40 + "\n"
 ESCAPES = re.compile(r"\\(u[0-9a-fA-F]{4}|[nt\\])")  # in stop strings: --stop="\n\n" reaches us as backslash, n, ...
 ESCAPED = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -102,27 +100,25 @@ def check_settings(settings):
     return [unescape(s) for s in stops]
 
 
-def check_draft_exists(draft, dataset):
-    """Refuse a draft with no checkpoint, naming the command that trains one on the model's dataset (if known)."""
-    path = checkpoint_path(draft)
-    if draft.startswith("hf:") or os.path.exists(path):
-        return
-    from gpt.hints import train_command
-
-    extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
-    on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
-    raise UserError(f"the draft {draft}: no checkpoint at {path}; train a draft on {on} first: "
-                    f"{train_command(path, DRAFT_CONFIG, extra)}")
-
-
 def main(argv):
     settings = configure(DEFAULTS, argv)
     stops = check_settings(settings)
-    source = model_source(settings["init_from"], settings["out_dir"])
     device = resolve_device(settings["device"])
-    from gpt.machine import shared_cpu
+    dtype = resolve_dtype(settings["dtype"], device)
     cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
-    model, draft, tokenizer = load_models(source, settings, device, resolve_dtype(settings["dtype"], device))
+    if settings["quantize"]:
+        from gpt.quantize import check_quantize, quantize
+        check_quantize(settings["quantize"], device)
+    model, meta, dataset = load_model(settings["out_dir"], device, dtype, settings["init_from"])
+    draft = None  # a draft model, for speculative decoding (--draft=lookup has none)
+    if settings["draft"] and settings["draft"] != LOOKUP:
+        from gpt.speculative import load_draft
+        draft = load_draft(settings["draft"], meta, dataset, device, dtype)
+    if settings["quantize"]:  # the draft's weights too
+        for each in filter(None, (model, draft)):
+            quantize(each, settings["quantize"])
+    choose_decode_step(settings, model)
+    tokenizer = Tokenizer(meta)
     prompt = read_prompt(settings["prompt"])
     prompt_ids = encode_prompt(prompt, tokenizer, model, draft, settings["draft"])
     busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
@@ -130,9 +126,17 @@ def main(argv):
         print(busy_note, file=sys.stderr)  # stdout stays the text
 
     samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)
+    generator = torch.Generator(device=device).manual_seed(settings["seed"])
     print(prompt, end="", flush=True)
     start = time.perf_counter()
-    acceptance = decode(model, draft, prompt_ids, settings, samples, device)
+    if not settings["draft"]:
+        acceptance = decode_batch(model, prompt_ids, settings, samples, generator)  # None: nothing drafted
+    else:  # speculative: returns the drafted tokens (accepted, proposed)
+        from gpt import speculative
+        if draft is None:
+            acceptance = speculative.decode_lookup(model, prompt_ids, settings, samples, generator)
+        else:
+            acceptance = speculative.decode_speculative(model, draft, prompt_ids, settings, samples, generator)
     seconds = time.perf_counter() - start
     for text in samples.texts[1:]:
         print(SEPARATOR + prompt + text, end="")
@@ -145,23 +149,16 @@ def main(argv):
     print(speed_line(samples, seconds, settings["num_samples"], acceptance), file=sys.stderr)
 
 
-def load_models(source, settings, device, dtype):
-    """The model, the draft model (None without one, or with draft=lookup) and the tokenizer, quantized as asked;
-    settings["cuda_graph"] and settings["compile"] decided (None: graphs_by_default, then compiles_by_default)."""
-    quantize = None
-    if settings["quantize"]:
-        from gpt.quantize import check_quantize, quantize
-        check_quantize(settings["quantize"], device)
-    model, meta, dataset = load_run(source, device, dtype)
-    if quantize:
-        quantize(model, settings["quantize"])
+def choose_decode_step(settings, model):
+    """settings["cuda_graph"] and settings["compile"] where not given (None): a CUDA graph (graphs_by_default), else
+    compiled where it pays (compiles_by_default); a draft model and no_kv_cache decode eagerly. Said in a note."""
     if settings["cuda_graph"] is None:
         settings["cuda_graph"] = (settings["compile"] is None and not settings["draft"] and not settings["no_kv_cache"]
                                   and graphs_by_default(model))
         if settings["cuda_graph"]:
             print("note: decoding replays the eager step as a CUDA graph (captured in about a second, no compiler; "
                   "--compile=True compiles it instead: 1-2 minutes the first time)", file=sys.stderr)
-    if settings["compile"] is None:  # speculative decoding with a draft model, and uncached decoding, compile nothing
+    if settings["compile"] is None:
         settings["compile"] = (not settings["cuda_graph"] and settings["draft"] in ("", LOOKUP)
                                and not settings["no_kv_cache"] and compiles_by_default(model))
         if settings["compile"]:
@@ -169,17 +166,6 @@ def load_models(source, settings, device, dtype):
             print(f"note: compiling the decode step (the first time 1-2 minutes for GPT-2 small on an H100, then kept "
                   f"in {cache_dir()}; each run still takes seconds to start, which a short run may not earn back: "
                   f"--compile=False skips it)", file=sys.stderr)
-    draft = None
-    if settings["draft"] and settings["draft"] != LOOKUP:
-        check_draft_exists(settings["draft"], dataset)
-        draft, draft_meta = load_model(settings["draft"], device, dtype)
-        if draft_meta != meta:
-            raise UserError(f"the draft {settings['draft']} has another vocabulary ({draft_meta['tokenizer']}, "
-                            f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
-                            f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
-        if quantize:
-            quantize(draft, settings["quantize"])
-    return model, draft, Tokenizer(meta)
 
 
 def encode_prompt(prompt, tokenizer, model, draft, draft_name):
@@ -199,18 +185,6 @@ def encode_prompt(prompt, tokenizer, model, draft, draft_name):
         raise UserError(f"the prompt is {len(prompt_ids)} tokens, but {reader} reads at most "
                         f"block_size={block_size}; shorten it")
     return prompt_ids
-
-
-def decode(model, draft, prompt_ids, settings, samples, device):
-    """Decode into samples: batched (gpt/engine.py), or speculatively with a draft model or prompt lookup
-    (gpt/speculative.py), which return the drafted tokens (accepted, proposed)."""
-    generator = torch.Generator(device=device).manual_seed(settings["seed"])
-    if not settings["draft"]:
-        return decode_batch(model, prompt_ids, settings, samples, generator)
-    from gpt.speculative import decode_lookup, decode_speculative
-    if draft is None:
-        return decode_lookup(model, prompt_ids, settings, samples, generator)
-    return decode_speculative(model, draft, prompt_ids, settings, samples, generator)
 
 
 def speed_line(samples, seconds, num_samples, acceptance):

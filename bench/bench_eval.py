@@ -117,7 +117,7 @@ def main():
     from gpt import harness
 
     if args.out_dir:
-        model, meta = load_model(args.out_dir)
+        model, meta, _ = load_model(args.out_dir)
         what = f"the model in {args.out_dir}"
     else:
         torch.manual_seed(0)

@@ -86,7 +86,7 @@ def main():
     cpu = cpu_name()
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; draft_k {args.draft_k}")
 
-    model, meta = load_model(args.model)
+    model, meta, _ = load_model(args.model)
     tokenizer, k = Tokenizer(meta), args.draft_k
     texts = {"free, greedy": ("ROMEO:", 0.0), "free, t=0.8": ("ROMEO:", 0.8),  # a plain prompt, and a quote begun again
              "quote, greedy": (PASSAGE + "\n" + PASSAGE[:20], 0.0)}

@@ -23,7 +23,7 @@ import torch
 
 from bench_sample import MODES, in_mode, machine, settings_for
 from eval import bits_per_byte, val_tokens
-from gpt.checkpoint import load_checkpoint, model_from_checkpoint
+from gpt.checkpoint import load_model
 from gpt.engine import decode_batch
 from gpt.cpuinfo import cpu_name
 from gpt.scoring import token_predictions
@@ -52,11 +52,7 @@ def greedy_continuation(model, prompt, n_new, vocab_size):
 
 
 def bench_checkpoint(out_dir, args):
-    path = os.path.join(out_dir, "ckpt.pt")
-    checkpoint = load_checkpoint(path)
-    model, meta = model_from_checkpoint(checkpoint, path)
-    model.eval()
-    dataset = checkpoint.get("settings", {}).get("dataset")
+    model, meta, dataset = load_model(out_dir)
     tokenizer = Tokenizer(meta)
     tokens = val_tokens(dataset, args.max_tokens)
     text = greedy_continuation(model, tokens[:PROMPT_TOKENS], args.new_tokens, tokenizer.vocab_size)

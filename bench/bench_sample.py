@@ -117,7 +117,7 @@ def build_models(name, seed):
     torch.manual_seed(seed)
     ckpt_path = os.path.join(ROOT, "out-small", "ckpt.pt")
     if name == "small" and os.path.exists(ckpt_path):
-        model, meta = load_model(ckpt_path)
+        model, meta, _ = load_model(ckpt_path)
         return model, Tokenizer(meta), "config/small.py shape, trained (out-small/ckpt.pt)"
     if name == "small":
         return GPT(GPTConfig(**SMALL_CONFIG)).eval(), NullTokenizer(65), "config/small.py shape, random weights"

@@ -88,7 +88,7 @@ def main():
     for name, n_kv_head, seed in RUNS:
         out_dir = os.path.join(args.out_dir, name)
         seconds = train_run(args.config, out_dir, n_kv_head, seed, overrides)
-        model, meta = load_model(out_dir)
+        model, meta, _ = load_model(out_dir)
         rows.append((name, n_kv_head, seed, model.num_params(), kv_bytes_per_token(model.config),
                      decode_ms_per_token(model, Tokenizer(meta)), final_val_loss(out_dir), seconds))
         print(f"trained {name} in {seconds:.0f} s", flush=True)

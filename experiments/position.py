@@ -97,7 +97,7 @@ def model_and_val_batch(out_dir, text, batch_size):
     """(the trained model of out_dir, idx: val_batch of text in its tokens); a bad folder or text ends the run
     with a one-line error."""
     try:
-        model, meta = load_model(out_dir)
+        model, meta, _ = load_model(out_dir)
     except UserError as e:
         sys.exit(f"error: {e}")
     if not os.path.isfile(text):

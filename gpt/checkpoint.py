@@ -3,7 +3,7 @@ Where models come from: train.py's ckpt.pt (loaded without running code; gpt/run
 gpt/hf.py, Hugging Face folders. Every command loads through here, so a missing, truncated or foreign file gets the same
 one-line message everywhere.
 
-    model, meta = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
+    model, meta, dataset = load_model("out-small", device="cpu", dtype=torch.float32)   # or "hf:folder"
 """
 
 import io
@@ -38,18 +38,6 @@ def load_checkpoint(path, data=None):
         raise UserError(f"cannot read checkpoint {path} ({first_line(e)}); it is truncated or corrupt") from None
 
 
-def model_from_checkpoint(checkpoint, path):
-    """The GPT of a checkpoint dict (on the CPU, fp32), and its tokenizer meta."""
-    try:
-        model, state, meta = GPT(GPTConfig(**checkpoint["model_config"])), checkpoint["model"], checkpoint["meta"]
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise UserError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: {first_line(e)})") from None
-    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
-        raise UserError(f"{path} is not a checkpoint written by train.py (its model is not a dict of tensors)")
-    load_weights(model, state, path)
-    return model, meta
-
-
 def load_weights(model, state, path, config_file=None):
     """model.load_state_dict(state), where tensors that do not fit (model.py changed since the file was written) are a
     UserError naming them: torch's error lists them over many lines, and its first line names none. config_file: the
@@ -82,32 +70,6 @@ def size(tensor):
     return "x".join(map(str, tensor.shape)) or "scalar"
 
 
-def model_source(init_from, out_dir):
-    """What load_run reads for a command's init_from and out_dir: out_dir for "resume", else the "hf:folder"."""
-    if init_from != "resume" and not init_from.startswith("hf:"):
-        raise UserError(f"init_from must be resume or hf:path/to/folder, got {init_from!r}")
-    return out_dir if init_from == "resume" else init_from
-
-
-def load_model(source, device="cpu", dtype=torch.float32):
-    """The model (in eval mode, on device, in dtype) and its tokenizer meta, from source: an out_dir holding
-    ckpt.pt, a .pt file, or "hf:folder" for a Hugging Face Llama/Qwen3 folder with its tokenizer.json."""
-    return load_run(source, device, dtype)[:2]
-
-
-def load_run(source, device="cpu", dtype=torch.float32):
-    """load_model's (model, meta), and the dataset a checkpoint was trained on (None for a Hugging Face folder)."""
-    if source.startswith("hf:"):
-        (model, meta), dataset = load_hf(source[3:]), None
-        if meta is None:
-            raise UserError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
-    else:
-        path = checkpoint_path(source)
-        checkpoint = load_checkpoint(path)
-        (model, meta), dataset = model_from_checkpoint(checkpoint, path), checkpoint.get("settings", {}).get("dataset")
-    return model.to(device=device, dtype=dtype).eval(), meta, dataset
-
-
 def load_hf(folder):
     """The GPT (fp32, on the CPU) of a local Hugging Face Llama or Qwen3 folder, which gpt/hf.py reads, and its
     tokenizer's meta dict (None when the folder has no tokenizer.json)."""
@@ -117,6 +79,33 @@ def load_hf(folder):
     model = GPT(config)
     load_weights(model, state, weights, config_file="config.json")
     return model, meta
+
+
+def load_model(source, device="cpu", dtype=torch.float32, init_from="resume"):
+    """The model (in eval mode, on device, in dtype), its tokenizer meta and the dataset it was trained on (None for a
+    Hugging Face folder), from source: an out_dir holding ckpt.pt, a .pt file, or "hf:folder" for a Hugging Face
+    Llama/Qwen3 folder with its tokenizer.json. init_from, a command's setting: "resume" loads source (its out_dir),
+    "hf:folder" that folder instead."""
+    if init_from != "resume" and not init_from.startswith("hf:"):
+        raise UserError(f"init_from must be resume or hf:path/to/folder, got {init_from!r}")
+    source = source if init_from == "resume" else init_from
+    if source.startswith("hf:"):
+        (model, meta), dataset = load_hf(source[3:]), None
+        if meta is None:
+            raise UserError(f"{source[3:]} has no tokenizer.json; the model's tokenizer is needed to read text")
+    else:
+        path = checkpoint_path(source)
+        checkpoint = load_checkpoint(path)
+        try:
+            model, state, meta = GPT(GPTConfig(**checkpoint["model_config"])), checkpoint["model"], checkpoint["meta"]
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise UserError(f"{path} is not a checkpoint written by train.py ({type(e).__name__}: "
+                            f"{first_line(e)})") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise UserError(f"{path} is not a checkpoint written by train.py (its model is not a dict of tensors)")
+        load_weights(model, state, path)
+        dataset = checkpoint.get("settings", {}).get("dataset")
+    return model.to(device=device, dtype=dtype).eval(), meta, dataset
 
 
 def load_pretrained(folder, meta):

@@ -6,16 +6,43 @@ Speculative decoding (sample.py --draft): something cheap proposes tokens, the m
 - decode_lookup: the context is the draft (prompt lookup): what followed the last tokens where they occurred
   before; its text is plain decoding's, greedy or sampled, in fewer forward passes where the text repeats.
 
-Both decode the samples one after another and return (accepted, proposed) counts; the rest is engine.py's.
+Both decode the samples one after another and return (accepted, proposed) counts; the rest is engine.py's. load_draft
+loads and checks --draft's model.
 """
 
+import os
+import shlex
 import sys
 
 import torch
 
+from gpt import UserError
+from gpt.checkpoint import checkpoint_path, load_model
 from gpt.engine import cpu_kernels, device_of, last_logits, next_tokens, prefill, slide
 from gpt.sampling import sampling_probs
 from gpt.static_step import chunk_logits, compile_decode_step, compiled_cache_length, mark_static
+
+
+DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
+
+
+def load_draft(name, meta, dataset, device, dtype):
+    """sample.py --draft's model, from a checkpoint (one missing: the command that trains a draft on the model's
+    dataset, if known) or a Hugging Face folder, with the model's vocabulary (meta)."""
+    path = checkpoint_path(name)
+    if not name.startswith("hf:") and not os.path.exists(path):
+        from gpt.hints import train_command
+
+        extra = f" --dataset={shlex.quote(dataset)}" if dataset else ""
+        on = "the model's dataset" if dataset else "the model's dataset (pass it as --dataset)"
+        raise UserError(f"the draft {name}: no checkpoint at {path}; train a draft on {on} first: "
+                        f"{train_command(path, DRAFT_CONFIG, extra)}")
+    draft, draft_meta, _ = load_model(name, device, dtype)
+    if draft_meta != meta:
+        raise UserError(f"the draft {name} has another vocabulary ({draft_meta['tokenizer']}, "
+                        f"{draft_meta['vocab_size']} tokens) than the model ({meta['tokenizer']}, "
+                        f"{meta['vocab_size']} tokens); use a draft trained on the same dataset")
+    return draft
 
 
 def next_token_probs(logits, settings, vocab_size):

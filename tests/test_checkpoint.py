@@ -35,7 +35,7 @@ def expected():
 
 def test_a_checkpoint_from_before_the_restructure_gives_the_same_logits(device):
     old = expected()
-    model, meta = load_model(os.path.join(OLD, "ckpt.pt"), device)
+    model, meta, _ = load_model(os.path.join(OLD, "ckpt.pt"), device)
     assert meta["tokenizer"] == "char" and meta["chars"][old["prompt_ids"][0]] == old["prompt"][0]
     with torch.no_grad():
         logits = model(torch.tensor([old["prompt_ids"]], device=device))[0][0, -4:]

@@ -127,7 +127,7 @@ def test_val_split_figures_go_to_stdout_and_json(bpe_run, tmp_path, monkeypatch,
     from gpt.checkpoint import load_model
     from gpt.shards import find_shards, read_shard
 
-    model, meta = load_model(str(bpe_run / "out"), device)
+    model, meta, _ = load_model(str(bpe_run / "out"), device)
     tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:501]]
     lengths = Tokenizer(meta).byte_lengths()
     assert figures["bytes"] == sum(lengths[t] for t in tokens[1:])
@@ -146,7 +146,7 @@ def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run, tmp_p
     run_eval(bpe_run, monkeypatch, "--out_dir=out", "--max_tokens=200", "--dtype=bfloat16", "--device=cpu",
              f"--out_json={tmp_path / 'bf16.json'}")
     figures = json.loads((tmp_path / "bf16.json").read_text())["text"]
-    model, meta = load_model(str(bpe_run / "out"), "cpu")
+    model, meta, _ = load_model(str(bpe_run / "out"), "cpu")
     tokens = [int(t) for t in read_shard(find_shards(str(bpe_run / "data" / "shakespeare"), "val")[0])[:201]]
     lengths = Tokenizer(meta).byte_lengths()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -267,7 +267,7 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
     # the figures logged at iteration 4 are the checkpoint's (saved at 4), scored again here
     from gpt.checkpoint import load_model
 
-    model, meta = load_model(str(out_dir), device)
+    model, meta, _ = load_model(str(out_dir), device)
     again = harness.run_tasks(model, Tokenizer(meta), ["tiny_choice", "tiny_text"], include_path=str(tmp_path))
     assert evals[-1]["tiny_choice/acc"] == again["results"]["tiny_choice"]["acc,none"]
     assert evals[-1]["tiny_text/bits_per_byte"] == pytest.approx(again["results"]["tiny_text"]["bits_per_byte,none"],

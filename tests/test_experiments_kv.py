@@ -94,7 +94,7 @@ def test_a_run_trains_and_reports_its_final_val_loss(tmp_path, monkeypatch, devi
     assert [r["iter"] for r in evals] == [0, 2, 4] and kv_heads.final_val_loss(out_dir) == evals[-1]["val_loss"]
     from gpt.checkpoint import load_model
 
-    model, _ = load_model(out_dir)
+    model, _, _ = load_model(out_dir)
     assert model.config.n_kv_head == 1  # the run's setting reached the model
 
 

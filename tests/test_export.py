@@ -673,7 +673,7 @@ def char_data(tmp_path_factory):
 def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_path, device):
     """The run's first evaluation equals that of the exported model itself: the weights arrived intact."""
     folder = tmp_path / "hf"
-    model, meta = load_model(char_ckpts["swiglu"])  # on the CPU: export_hf takes a CPU float32 model
+    model, meta, _ = load_model(char_ckpts["swiglu"])  # on the CPU: export_hf takes a CPU float32 model
     export_or_skip(model, meta, str(folder))
     out_dir = tmp_path / "run"
     args = dict(dataset="shakespeare_char", init_from=f"hf:{folder}", out_dir=str(out_dir), block_size=32, batch_size=4,

@@ -378,12 +378,12 @@ def test_quantize_int8_applies_to_the_draft_too(trained, capsys, monkeypatch):
 
 def test_speculative_greedy_with_an_int8_draft_is_the_fp32_targets_greedy_text(trained, capsys, monkeypatch):
     plain = greedy(capsys, trained).out
-    load_model = sample.load_model
+    load_model = speculative.load_model
 
-    def load_int8_draft(source, *args):
-        model, meta = load_model(source, *args)
-        return (int8(model) if source == trained["draft"] else model), meta
-    monkeypatch.setattr(sample, "load_model", load_int8_draft)
+    def load_int8_draft(source, *args):  # speculative.load_draft's load
+        model, meta, dataset = load_model(source, *args)
+        return (int8(model) if source == trained["draft"] else model), meta, dataset
+    monkeypatch.setattr(speculative, "load_model", load_int8_draft)
     decoded = record_models(monkeypatch, "decode_speculative", speculative)
     for draft_k in (1, 3, 7):
         spec = greedy(capsys, trained, f"--draft={trained['draft']}", f"--draft_k={draft_k}")
