@@ -179,6 +179,26 @@ def test_a_file_that_is_not_a_checkpoint_is_called_so(tmp_path):
         load_model(str(tmp_path / "ckpt.pt"))
 
 
+class RunsCodeWhenUnpickled:
+    """What a malicious ckpt.pt can hold: unpickling it calls os.makedirs(path)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.makedirs, (self.path,)
+
+
+def test_loading_a_checkpoint_never_runs_code_it_holds(tmp_path):
+    """ckpt.pt is read with weights_only=True: a file whose unpickling would run code is refused in one line, and the
+    code never runs."""
+    made = tmp_path / "made_by_the_file"
+    torch.save({"model": RunsCodeWhenUnpickled(str(made))}, tmp_path / "ckpt.pt")
+    with pytest.raises(UserError, match="cannot read checkpoint"):
+        load_model(str(tmp_path))
+    assert not made.exists()
+
+
 # resolve_device and resolve_dtype on the CPU (on faked GPUs: test_fake_cuda.py)
 
 
