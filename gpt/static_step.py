@@ -64,22 +64,24 @@ def mark_static(cache):
 
 def static_step(device, batch_size, compiled):
     """decode_batch's step(model, tokens (B, 1), cache) -> logits (B, V) on a static cache, advancing cache.pos:
-    decode_step compiled, or else replayed as a CUDA graph (cuda_graph_step). It is given the same two input tensors
-    every step, the new tokens and position copied into them: a slice of the caller's has other strides to guard on,
-    and another address."""
+    decode_step compiled, or else replayed as a CUDA graph (cuda_graph_step), from the second step on; the first runs
+    eagerly, so the first token is out before the seconds of compiling or capturing. It is given the same two input
+    tensors every step, the new tokens and position copied into them: a slice of the caller's has other strides to
+    guard on, and another address."""
     step = compile_decode_step(device) if compiled else cuda_graph_step()
     step_tokens = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
     input_pos = torch.zeros(1, dtype=torch.long, device=device)
-    marked = None  # the cache whose tensors are marked static (a slide refills them in place)
+    first, marked = True, None  # marked: the cache whose tensors are marked static (a slide refills them in place)
 
     def forward(model, tokens, cache):
-        nonlocal marked
+        nonlocal first, marked
         if compiled and marked is not cache:
             mark_static(cache)
             marked = cache
         step_tokens.copy_(tokens)
         input_pos.fill_(cache.pos)
-        logits = step(model, step_tokens, cache, input_pos)
+        logits = (decode_step if first else step)(model, step_tokens, cache, input_pos)
+        first = False
         cache.pos += 1
         return logits
 
