@@ -195,6 +195,40 @@ def test_an_int8_rows_kernel_compiled_after_the_rows_quantization_gives_the_eage
     kernels.packed_weights.clear()
 
 
+X86_LIBRARY = ("onednn", "onednn-packed", "int8pack", "onednn-int8", "int-mm")  # oneDNN's, and torch's x86 int8 paths
+
+
+def test_an_arm_cpu_falls_back_to_the_kernels_it_can_run(monkeypatch, cache):
+    """Apple Silicon and other Arm CPUs (NEON, no x86): nothing is chosen from the CPU's flags, so an Arm CPU, faked
+    here (its name and /proc/cpuinfo "Features"), on a torch build whose x86 library kernels fail as they would there,
+    gets the kernels that run (torch's own, torch.mv): the int8 model decodes as without any choice, and a choice
+    kept for an x86 CPU is not trusted on it."""
+    model = tiny_model()
+    replace_linears(model, Int8WeightOnlyLinear)
+    x = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        expected = model(x)[0][:, -1]
+    layers = linears_of(model)
+    key = kernels.choice_key(layers, 1, False)
+    cache.mkdir()
+    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "int8pack"},
+                                                    "seconds": {key: [1.0, None]}}))  # an x86 machine's
+
+    def missing(x, weight, bias):
+        raise RuntimeError("no such kernel in this build")  # what a build without oneDNN's x86 paths says
+
+    monkeypatch.setattr(kernels, "cpu_name", lambda: "Apple M2")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics".split())
+    monkeypatch.setattr(kernels, "KERNELS", {name: missing if name in X86_LIBRARY else kernel
+                                             for name, kernel in kernels.KERNELS.items()})
+    with torch.no_grad(), kernels.decode_linears(model, 1):
+        cache_ = model.new_kv_cache(1, 8)
+        model(x[:, :-1], kv_cache=cache_)
+        actual = model(x[:, -1:], kv_cache=cache_)[0][:, -1]
+    assert set(kernels.choices.values()) <= {"torch", "matrix-vector"}, kernels.choices
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_kernel_that_fails_or_disagrees_is_no_candidate(monkeypatch):
     def failing(x, weight, bias):
         raise RuntimeError("could not create a primitive descriptor")  # what oneDNN says for a dtype it lacks
