@@ -143,7 +143,7 @@ def chunk_sizes(total, seed):
     return sizes
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def logits_through(model, idx, path, seed=0, cache=None):
     """idx's logits (B, T, vocab) by one attention path: "full" forward; "tokens" one at a time on a growing cache;
     "chunks" (chunk_sizes) on a growing cache; "static" the same chunks on a static cache holding large garbage
@@ -172,7 +172,7 @@ PATHS = ("full", "tokens", "chunks", "static")
 # The invariants, each a function of a model that returns how far it is from holding (0 when exact)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def cache_vs_full(model, batch=2, seed=0):
     """Logits fed through a growing KV cache in chunks vs one full forward; then roll back to half way,
     feed other tokens (a chunk, then one token) and compare with a full forward of that other sequence."""
@@ -189,7 +189,7 @@ def cache_vs_full(model, batch=2, seed=0):
     return max(worst, max_error(actual, expected))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def static_vs_growing(model, batch=2, seed=1):
     """A static cache (written at input_pos, read whole with a mask) holding large garbage where nothing
     was written yet, vs the growing cache, chunk by chunk (single tokens included)."""
@@ -197,7 +197,7 @@ def static_vs_growing(model, batch=2, seed=1):
     return max_error(logits_through(model, idx, "static", seed), logits_through(model, idx, "chunks", seed))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def fast_path_vs_mask(model, batch=2, seed=2):
     """The full-sequence forward (no cache: SDPA is_causal when window == 0) vs the same tokens in one chunk
     on a static cache longer than them, where attention reads every slot through can_attend's mask."""
@@ -241,7 +241,7 @@ def reached_by_a_change(config, original, changed, changed_at):
     return reached
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def receptive_field(model, changed_at=10, seed=3):
     """Change the token at changed_at and see which positions' logits move. Returns (the largest change
     outside the receptive field, the change at its far edge): the field derived from VISIBLE_KEYS
@@ -301,7 +301,7 @@ def silenced_but(model, layer):
     return copy_
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def visible_keys_error(model, seed=4):
     """What the model does vs what its settings promise, through every path and in every layer (the others
     silenced): changing the token at key k must move the logits at query q (k != q) exactly when the promise says q
@@ -464,7 +464,7 @@ def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name, device)
 # c, d: decoding
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def naive_greedy(model, idx, n):
     """Recompute the whole sequence at every step, no cache."""
     for _ in range(n):
@@ -509,7 +509,7 @@ def greedy_settings(max_new_tokens, draft_k=3):
                 no_kv_cache=False, compile=False, draft_k=draft_k)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def naive_greedy_sliding(model, prompt, n, logits=None):
     """Greedy by recomputing the whole context every step, with the engine's documented window policy: when
     the context would pass block_size, it restarts from its last block_size // 2 tokens. logits: a list that gets
@@ -600,7 +600,7 @@ def test_no_code_outside_model_py_calls_the_head():
 
 
 @pytest.mark.parametrize("scheme", ["int8", "w8a8"])
-@torch.no_grad()
+@torch.inference_mode()
 def test_a_quantized_head_keeps_what_model_logits_does_around_it(scheme, monkeypatch):
     """--quantize replaces every nn.Linear, the output head too; model.logits, where an edit around the head goes
     (a soft cap), still runs on the quantized head's output: capped, and the float model's logits within int8's
@@ -617,7 +617,7 @@ def test_a_quantized_head_keeps_what_model_logits_does_around_it(scheme, monkeyp
 
 
 @pytest.mark.parametrize("name", ["swiglu_gqa_qknorm_tied", "window_mqa_relu2_bias", "gelu_mha_untied"])
-@torch.no_grad()
+@torch.inference_mode()
 def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
     """With model.logits edited (a soft cap), the logits that generate, the engine's decoding (a growing cache, the
     static cache of compiled and CUDA-graph steps, batched samples, the sliding window), prompt lookup's speculative
