@@ -18,6 +18,10 @@ _spec.loader.exec_module(fake_cuda_site)
 if "GPT_CACHE_DIR" not in os.environ:
     os.environ["GPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="gpt-test-cache-")
     atexit.register(shutil.rmtree, os.environ["GPT_CACHE_DIR"], ignore_errors=True)
+# Inductor's check that the compiler builds for the CPU's vector ISA (a probe per ISA compiled, ~8 s in a new cache
+# folder, then loaded in a new process each, ~1.4 s in every process that compiles) is skipped: the ISA is the one the
+# CPU's flags name, as the probes find on any machine with a C++ compiler, which compiling needs anyway
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 # The device the tests that take one (the `device` fixture) run on: TEST_DEVICE=cuda python -m pytest runs them
 # on the GPU. Tests about the CPU on purpose (its int8 kernels, faked CUDA, CPU timings, Hugging Face references)
