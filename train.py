@@ -26,9 +26,9 @@ import torch.distributed as dist
 from configurator import configure
 from gpt import UserError
 from gpt.device import resolve_device, resolve_dtype
+from gpt.files import RunDir
 from gpt.machine import shared_cpu
 from gpt.progress import Log, StepTimer
-from gpt.rundir import RunDir
 from gpt.shards import ShardLoader, check_vocab, load_meta
 from model import GPT, GPTConfig
 

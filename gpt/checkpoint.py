@@ -1,5 +1,5 @@
 """
-Where models come from: train.py's ckpt.pt (loaded without running code; gpt/rundir.py writes it) and, through
+Where models come from: train.py's ckpt.pt (loaded without running code; gpt/files.py writes it) and, through
 gpt/hf.py, Hugging Face folders. Every command loads through here, so a missing, truncated or foreign file gets the same
 one-line message everywhere.
 

@@ -1,5 +1,5 @@
-"""Files a run cannot afford to lose, never left half-written by a crash or a full disk (atomic_open: checkpoints,
-shards, metadata, plots) nor mixed up by a second process (lock_folder: train.py's and compare.py's out_dir)."""
+"""Files a run cannot afford to lose: written whole or not at all (atomic_open), one writer at a time in a folder
+(lock_folder), a failed write one line with the OS's reason; RunDir, train.py's out_dir as its rank 0 holds it."""
 
 import contextlib
 import json
@@ -12,10 +12,14 @@ try:
 except ImportError:
     fcntl = None
 
+# what to do once a write in a run's out_dir failed: ckpt.pt is never cut short
+RESUME = ("; the last checkpoint this run saved, if any, is whole: free some space and continue from it with "
+          "--init_from=resume")
+
 
 @contextlib.contextmanager
 def atomic_open(path, mode="wb"):
-    """A temp file next to `path`, moved there once the block succeeded and the data is on disk: a crash, kill or full
+    """A temp file beside path, moved there once the block succeeded and the data is on disk: a crash, kill or full
     disk leaves the old file (or none), never a torn one (a SIGKILL may leave the temp; the next write replaces it)."""
     tmp = f"{path}.tmp"  # same folder, so os.replace is atomic
     try:
@@ -30,34 +34,34 @@ def atomic_open(path, mode="wb"):
         raise
 
 
-def write_json(path, obj, **dump_args):
-    """obj as JSON, written through atomic_open (dump_args: json.dumps's); a failed write is a UserError."""
-    try:
-        with atomic_open(path) as f:
-            f.write(json.dumps(obj, **dump_args).encode())
-    except OSError as e:
-        raise UserError(f"cannot write {path} ({write_failure(e)})") from None
-
-
 def write_failure(error):
-    """Why a write failed, in a few words ("No space left on device", "File too large", ...). torch.save
-    reports a failed write as a RuntimeError ("unexpected pos ...") raised while handling the OSError."""
+    """Why a write failed, in a few words ("No space left on device"): the OSError's, also where torch.save raised a
+    RuntimeError ("unexpected pos ...") while handling one; else the error's first line."""
     cause = error if isinstance(error, OSError) else error.__context__
-    if isinstance(cause, OSError) and cause.strerror:
-        return cause.strerror
-    return (str(error) or type(error).__name__).splitlines()[0]
+    return getattr(cause, "strerror", None) or (str(error) or type(error).__name__).splitlines()[0]
+
+
+@contextlib.contextmanager
+def failing_write(path, way_on=""):
+    """A failed write of path (an OSError, torch's RuntimeError around one, an object torch cannot save) as one line."""
+    try:
+        yield
+    except Exception as e:
+        raise UserError(f"could not write {path} ({write_failure(e)}){way_on}") from None
+
+
+def write_json(path, obj, **dump_args):
+    text = json.dumps(obj, **dump_args)  # first: an object JSON cannot hold is a bug, not a failed write
+    with failing_write(path), atomic_open(path) as f:
+        f.write(text.encode())
 
 
 def lock_folder(folder, holder):
-    """folder (made if missing) locked: an exclusive lock on folder/lock, held until the returned file is closed or
-    the process ends (the OS releases it even after a kill, so a stale lock file never blocks). Held by another
-    process (a holder: "training run"), or a folder that cannot be written: a UserError that says so."""
+    """folder (made if missing) under an exclusive flock on folder/lock until the returned file is closed or the
+    process ends: the OS releases a killed holder's lock, so a stale lock file never blocks."""
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
-    except OSError as e:
-        raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
-    try:
         if fcntl:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -66,7 +70,68 @@ def lock_folder(folder, holder):
         f.close()
         raise UserError(f"{folder} is in use by another {holder} (process {pid}); let it finish or stop it, or use "
                         "another --out_dir") from None
+    except OSError as e:
+        raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()
     return f
+
+
+class RunDir:
+    """out_dir, locked from RunDir() to close(): refused where it holds a run that this one would replace (unless
+    overwrite), then its metrics.jsonl (also sent to wandb if asked) and ckpt.pt."""
+
+    def __init__(self, settings):
+        self.out_dir, self.wandb, self.created = settings["out_dir"], None, not os.path.isdir(settings["out_dir"])
+        self.ckpt_path, self.log_path = (os.path.join(self.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl"))
+        self.lock = lock_folder(self.out_dir, "training run")  # before anything in out_dir is read or written
+        if settings["init_from"] != "resume" and os.path.exists(self.ckpt_path) and not settings["overwrite"]:
+            self.close()
+            raise UserError(f"{self.ckpt_path} holds an earlier run, which a run from {settings['init_from']} would "
+                            "replace; continue it with --init_from=resume, train into another --out_dir, or replace "
+                            "it with --overwrite")
+
+    def start(self, settings, resumed_iter):
+        """A resumed run (from iteration resumed_iter) continues the log; any other removes the earlier run's files."""
+        if settings["wandb_log"]:  # imported before anything is removed
+            try:
+                import wandb
+            except ImportError:
+                raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
+                                "(or drop --wandb_log)") from None
+        if resumed_iter is not None:
+            from gpt.resume import keep_records_until
+            keep_records_until(self.log_path, resumed_iter)
+        else:
+            if os.path.exists(self.ckpt_path):
+                print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
+            for path in (self.ckpt_path, self.log_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+        if settings["wandb_log"]:
+            self.wandb = wandb
+            wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
+                       dir=self.out_dir)
+
+    def log(self, record):
+        with failing_write(self.log_path, RESUME), open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb:
+            self.wandb.log(record, step=record["iter"])
+
+    def save(self, checkpoint):
+        import torch  # here, not at the top: plot.py and the prepare scripts write files without torch
+
+        with failing_write(self.ckpt_path, RESUME), atomic_open(self.ckpt_path) as f:  # a file object: torch then
+            torch.save(checkpoint, f)  # keeps a failed write's OSError as the context of its RuntimeError
+
+    def close(self):
+        if self.wandb:
+            self.wandb.finish()
+        self.lock.close()  # releases the lock
+        if self.created and os.listdir(self.out_dir) == ["lock"]:  # a run that failed before writing anything
+            with contextlib.suppress(OSError):  # leaves no folder holding only its lock
+                os.remove(os.path.join(self.out_dir, "lock"))
+                os.rmdir(self.out_dir)
+

@@ -11,7 +11,7 @@ import time
 
 from gpt import UserError
 from gpt.checkpoint import load_checkpoint
-from gpt.files import atomic_open
+from gpt.files import RESUME, atomic_open, failing_write
 from gpt.metrics import read_jsonl
 from model import GPTConfig
 
@@ -99,6 +99,6 @@ def keep_records_until(log_path, start_iter):
         if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
             raise UserError(f"{log_path}, line {lineno}: not a metrics record (no iter); repair or delete "
                             "that line, then resume again")
-    with atomic_open(log_path, "w") as f:  # a failed write (OSError) is the caller's to report
+    with failing_write(log_path, RESUME), atomic_open(log_path, "w") as f:
         f.writelines(json.dumps(record) + "\n" for _, record in records if record["iter"] <= start_iter)
 

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import attention
 import model as model_py
 from gpt import UserError
-from gpt.rundir import save_checkpoint
 from gpt.tokenizer import char_meta
 from model import GPT, GPTConfig, can_attend
 from conftest import finished
@@ -178,7 +177,7 @@ def checkpoint_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("run")
     meta = char_meta(TEXT)
     model = tiny_model(**CONFIGS["gqa"])
-    save_checkpoint(str(folder / "ckpt.pt"), dict(model=model.state_dict(), model_config=vars(model.config), meta=meta))
+    torch.save(dict(model=model.state_dict(), model_config=vars(model.config), meta=meta), folder / "ckpt.pt")
     return folder
 
 
