@@ -1,5 +1,5 @@
-"""What a training run shows and records: Log, one line and one metrics.jsonl record at each log and evaluation (on a
-terminal under tqdm's bar, with its ETA); StepTimer, the clock behind the run's time and each log's ms/iter."""
+"""What a training run shows: a line per log and evaluation (on a terminal above tqdm's bar and its ETA), and the
+clock behind each log's ms/iter, which leaves out evaluations, checkpoint writes and the first step."""
 
 import contextlib
 import sys
@@ -14,9 +14,7 @@ FORMATS = dict(loss="loss {:.4f}", train_loss="train loss {:.4f}", val_loss="val
 
 
 class Log:
-    """What rank 0 prints and records; run_dir is None on the other ranks, which print and record nothing."""
-
-    def __init__(self, run_dir, max_iters):
+    def __init__(self, run_dir, max_iters):  # run_dir: None on ranks other than 0, which print and record nothing
         self.run_dir, self.max_iters, self.bar = run_dir, max_iters, None
 
     def say(self, text):
@@ -26,8 +24,6 @@ class Log:
             print(text, flush=True)  # so that a log file or pipe gets each line as it happens
 
     def record(self, record):
-        """The record in metrics.jsonl (and wandb) and as one line; on a terminal the bar moves on to its iteration,
-        from the first record on (so that its ETA counts what this run did)."""
         if not self.run_dir:
             return
         self.run_dir.log(record)
@@ -35,7 +31,7 @@ class Log:
                    if key not in ("iter", "time")]
         self.say(f"iter {record['iter']}: {', '.join(figures)}")
         if sys.stdout.isatty():
-            if not self.bar:
+            if not self.bar:  # started at the first record, so that its ETA counts only this run's steps
                 from tqdm import tqdm
                 self.bar = tqdm(total=self.max_iters, initial=record["iter"], unit="it", dynamic_ncols=True)
             self.bar.update(record["iter"] - self.bar.n)
@@ -46,13 +42,12 @@ class Log:
 
 
 class StepTimer:
-    """The run's wall-clock time (summed over resumes), and at each log the speed since the last one (MFU where
-    peak_tokens_per_sec, the rate at the hardware's peak FLOP/s, is known), without evaluations and checkpoint writes
-    (paused) or the first step: it compiles and warms up, so it is timed alone and logged once."""
+    """The run's wall-clock time (summed over resumes), and each log's speed (MFU where the tokens/s at the hardware's
+    peak FLOP/s is known). The first step compiles and warms up: it is timed alone and logged once."""
 
     def __init__(self, device_type, tokens_per_iter, elapsed_before, peak_tokens_per_sec=None):
         self.device_type, self.tokens_per_iter, self.peak = device_type, tokens_per_iter, peak_tokens_per_sec
-        self.elapsed_before, self.timed_steps, self.stepped_once, self.due = elapsed_before, 0, False, {}
+        self.elapsed_before, self.timed_steps, self.due = elapsed_before, -1, {}  # -1: the first step is to come
         self.run_start = self.interval_start = time.perf_counter()
 
     def elapsed(self):
@@ -65,17 +60,15 @@ class StepTimer:
         self.interval_start += time.perf_counter() - start
 
     def stepped(self):
-        """One more step; the first is timed alone (once the GPU has done it) and left out of ms/iter."""
-        if self.stepped_once:
-            self.timed_steps += 1
-            return
-        now = synced_time(self.device_type)
-        self.due, self.interval_start, self.stepped_once = dict(first_step_s=now - self.interval_start), now, True
+        self.timed_steps += 1
+        if self.timed_steps == 0:  # the first step, once the GPU has done it
+            now = synced_time(self.device_type)
+            self.due, self.interval_start = dict(first_step_s=now - self.interval_start), now
 
     def figures(self):
-        """The speed figures since the last log (and the first step's, if it was in it); a new interval starts."""
+        """The figures since the last log (and the first step's, if it was in it); a new interval starts."""
         figures, self.due = self.due, {}
-        if self.timed_steps:
+        if self.timed_steps > 0:
             ms_per_iter = 1000 * (time.perf_counter() - self.interval_start) / self.timed_steps
             figures.update(ms_per_iter=ms_per_iter, tokens_per_sec=self.tokens_per_iter * 1000 / ms_per_iter)
             if self.peak:
@@ -88,8 +81,6 @@ class StepTimer:
 
 def synced_time(device_type):
     """time.perf_counter() once the GPU has done the work queued so far (the CPU runs ahead of it)."""
-    if device_type == "cuda":
-        torch.cuda.synchronize()
-    elif device_type == "mps":
-        torch.mps.synchronize()
+    if device_type in ("cuda", "mps"):
+        getattr(torch, device_type).synchronize()
     return time.perf_counter()
