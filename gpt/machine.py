@@ -1,10 +1,8 @@
-"""How many CPU threads a command takes on a machine shared with other work. torch starts one thread per core, and
-OpenMP's waiting threads spin: two such processes on the same cores spin against each other, far slower than each
-taking only the cores the other leaves free (bench/RESULTS.md: 2.5x-39x). So a command computing on the CPU (or asking
-for a thread count) gets a SharedCpu from shared_cpu(): its first look at the machine runs while the model loads; each
-check() takes the threads other processes leave free (at least 1, at most torch's own count; a count the user chose,
---threads or OMP_NUM_THREADS, is kept) and gives the line to print the first time the machine is busy, else None."""
+"""The CPU threads a command takes on a machine shared with other work: torch's thread per core spins against other
+processes' threads, far slower than taking the cores they leave free (bench/RESULTS.md: 2.5x-39x). A SharedCpu's first
+look runs while the model loads; each check() then follows the load (a count the user chose is kept), saying so once."""
 
+import contextlib
 import os
 import time
 
@@ -15,14 +13,11 @@ BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer
 
 
 def cpu_counters():
-    """(all, idle) CPU seconds of the machine over its cores (/proc/stat), and this process's own; None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(field) for field in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return None
-    hz, own = os.sysconf("SC_CLK_TCK"), os.times()
-    return sum(ticks) / hz, (ticks[3] + ticks[4]) / hz, own.user + own.system
+    """(all, idle) CPU seconds of the machine (/proc/stat: user nice system idle iowait irq softirq steal) and this
+    process's own; None without /proc/stat."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/stat") as f:
+        ticks = [int(field) / os.sysconf("SC_CLK_TCK") for field in f.readline().split()[1:9]]
+        return sum(ticks), ticks[3] + ticks[4], sum(os.times()[:2])
 
 
 class SharedCpu:
@@ -44,14 +39,12 @@ class SharedCpu:
         busy = max(0.0, total - idle - own) / total * self.cores  # the cores other processes kept busy
         self.last, self.span, self.look_ends = now, CHECK_SECONDS, float("-inf")
         threads = self.most if busy < BUSY_CORES else max(1, min(self.most, round(self.cores - busy)))
-        if threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)  # the same count again where nothing changed
         if threads == self.most or self.said:
             return None
         self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
-        return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so this "
-                f"run takes {threads} thread{'s' * (threads > 1)} (not {self.most}) and is slower than on a quiet "
-                f"machine; stop them for full speed, or {self.choose} to choose")
+        return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so "
+                f"this run takes {threads} thread{'s' * (threads > 1)} (not {self.most}); stop them or {self.choose}")
 
 
 def shared_cpu(device, threads=None):  # threads: the command's --threads (0: the cores left free), None: it has none
