@@ -7,9 +7,8 @@ Train a GPT on prepared token shards, on one CPU or GPU, or many through torchru
     torchrun --standalone --nproc_per_node=8 train.py config/gpt2_124m.py --fsdp=True   # sharded (gpt/parallel.py)
     python train.py config/small.py --init_from=hf:hf-folder          # fine-tune a Llama/Qwen3 (gpt/hf.py)
 
-Settings: DEFAULTS below, then config files and --key=value (configurator.py; --help lists them). Figures go to
-out_dir/metrics.jsonl, checkpoints to out_dir/ckpt.pt, which --init_from=resume continues exactly; Ctrl-C or SIGTERM
-saves one and exits. Read main() and train() first, then what train() calls, in that order.
+Settings: DEFAULTS below, then config files and --key=value (--help lists them). Figures go to out_dir/metrics.jsonl,
+checkpoints to out_dir/ckpt.pt, which --init_from=resume continues exactly; Ctrl-C or SIGTERM saves one and exits.
 """
 
 import contextlib
@@ -129,10 +128,43 @@ def train(settings, run_dir):
         from gpt import resume
         checkpoint = resume.resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
-    raw_model, config = build_model(settings, meta, checkpoint, ckpt_path)  # its parameters and parts
+    # The model's config: the checkpoint's when resuming, a pretrained model's (with this run's dropout) when
+    # fine-tuning, else from the settings and the dataset's vocabulary (rounded up to 64s: faster matmuls)
+    pretrained = None
+    if checkpoint is not None:
+        config = GPTConfig(**checkpoint["model_config"])
+    elif settings["init_from"].startswith("hf:"):
+        from gpt.checkpoint import load_pretrained
+        pretrained = load_pretrained(settings["init_from"][3:], meta)
+        config = replace(pretrained.config, dropout=settings["dropout"])
+    else:
+        vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)
+        try:
+            config = GPTConfig(**{key: settings[key] for key in MODEL_DEFAULTS} | dict(vocab_size=vocab_size))
+        except ValueError as e:
+            raise UserError(str(e).replace("GPTConfig.", "")) from None
+    if settings["block_size"] > config.block_size:
+        raise UserError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
+    torch.manual_seed(settings["seed"])  # the same initialization on every process, before any weights are loaded
+    raw_model = GPT(config)  # on the CPU; its parameters and parts
+    if pretrained is not None:
+        raw_model.load_state_dict(pretrained.state_dict())
+    if checkpoint is not None:
+        from gpt.checkpoint import load_weights
+        load_weights(raw_model, checkpoint["model"], ckpt_path)  # one that model.py was edited since names the misfits
     check_vocab(data_dir, meta, config.vocab_size)
-    tasks = task_runner(settings, meta)
-    model, backend = raw_model.to(device), compile_backend(settings["compile"], device_type)  # model: what steps call
+    tasks = None  # lm-eval's tasks, run at each evaluation too (gpt/harness.py)
+    if settings["eval_tasks"].strip(" ,"):
+        try:
+            from gpt import harness  # lm-eval is optional: only tasks need it
+        except ImportError:
+            raise UserError("eval_tasks needs lm-eval, which is not installed; install it with: pip install "
+                            "lm-eval") from None
+        tasks = harness.task_runner(settings["eval_tasks"], settings["eval_tasks_include_path"] or None,
+                                    settings["eval_tasks_limit"], settings["batch_size"], meta)
+    # compiled on CUDA only, where compiling pays within a run (on a CPU inductor's compilation takes minutes)
+    backend = "inductor" if settings["compile"] and device_type == "cuda" else None
+    model = raw_model.to(device)  # what the steps call
     if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():
         from gpt.parallel import prepare  # compiled, and checkpointed, sharded or wrapped in DDP, in that order
         model = prepare(model, settings, device, ptdtype, backend)
@@ -162,7 +194,17 @@ def train(settings, run_dir):
         peak = settings["peak_flops"] or mfu.device_peak_flops(ptdtype, log.say)
         peak_tokens_per_sec = peak and peak * world_size / mfu.flops_per_token(raw_model, settings["block_size"])
     timer = StepTimer(device_type, tokens_per_iter, elapsed, peak_tokens_per_sec)
-    stop_signal = catch_stop_signals()  # the loop saves a checkpoint and stops at the next iteration
+    stop_signal = []  # SIGINT and SIGTERM, from now on: the loop saves a checkpoint and stops at the next iteration
+
+    def request_stop(signum, frame):
+        if not stop_signal:  # an evaluation may take a while before the loop sees it: say it was heard
+            print("stopping: a checkpoint is saved once the current step or evaluation ends (Ctrl-C again quits at "
+                  "once)", file=sys.stderr, flush=True)
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, request_stop)
 
     def save():  # every rank gathers the state (under FSDP, from all of them); rank 0 writes it
         if dist.is_initialized():
@@ -195,10 +237,17 @@ def train(settings, run_dir):
                 improved, best_val_loss = losses["val"] < best_val_loss, min(best_val_loss, losses["val"])
                 if iter_num > 0 and (improved or settings["always_save_checkpoint"]):  # the same on every rank
                     save()
-        if at_end or signalled:
+        if at_end or signalled:  # the last line: where the checkpoint is, and what to do with it
             if signalled:
                 save()
-            log.say(last_line(signalled, iter_num, ckpt_path))
+                log.say(f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with "
+                        "--init_from=resume")
+            elif os.path.exists(ckpt_path):
+                log.say(f"done at iter {iter_num}; checkpoint in {ckpt_path}, sample from it with: python sample.py "
+                        f"--out_dir={os.path.dirname(ckpt_path)}")
+            else:
+                log.say(f"done at iter {iter_num}; no checkpoint was saved: val loss never improved, and "
+                        "always_save_checkpoint=False")
             break
 
         # The random state is a function of (seed, rank, iteration), so a resumed run draws the same dropout
@@ -225,16 +274,12 @@ def train(settings, run_dir):
     return stop_signal[0] if signalled else None
 
 
-# ----------------------------------------------------------------------------------------------------
-# Setup
-
-
 def check_settings(settings):
     """settings, once every value that would fail deep inside the run (in numpy, torch, a division) is known good."""
     init_from = settings["init_from"]
     if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
-        gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a Llama "
-                "or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
+        gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a "
+                "Llama or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
         raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}")
     for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
                 "gradient_accumulation_steps"):
@@ -252,55 +297,6 @@ def check_settings(settings):
     return settings
 
 
-def build_model(settings, meta, checkpoint, ckpt_path):
-    """The model on the CPU and its GPTConfig: the checkpoint's when resuming; a pretrained model's (with this run's
-    dropout) when fine-tuning; else from the settings and the dataset's vocabulary. Initialized from seed (the same
-    on every process) before any weights are loaded."""
-    pretrained = None
-    if checkpoint is not None:
-        config = GPTConfig(**checkpoint["model_config"])
-    elif settings["init_from"].startswith("hf:"):
-        from gpt.checkpoint import load_pretrained
-
-        pretrained = load_pretrained(settings["init_from"][3:], meta)
-        config = replace(pretrained.config, dropout=settings["dropout"])
-    else:
-        vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)  # multiples of 64: faster matmuls
-        try:
-            config = GPTConfig(**{key: settings[key] for key in MODEL_DEFAULTS} | dict(vocab_size=vocab_size))
-        except ValueError as e:
-            raise UserError(str(e).replace("GPTConfig.", "")) from None
-    if settings["block_size"] > config.block_size:
-        raise UserError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
-    torch.manual_seed(settings["seed"])
-    model = GPT(config)
-    if pretrained is not None:
-        model.load_state_dict(pretrained.state_dict())
-    if checkpoint is not None:
-        from gpt.checkpoint import load_weights
-
-        load_weights(model, checkpoint["model"], ckpt_path)  # one that model.py was edited since names the misfits
-    return model, config
-
-
-def task_runner(settings, meta):
-    """None without eval_tasks; else a function from the model to {"task/metric": value} (gpt/harness.py)."""
-    if not settings["eval_tasks"].strip(" ,"):
-        return None
-    try:
-        from gpt import harness  # lm-eval is optional: only tasks need it
-    except ImportError:
-        raise UserError("eval_tasks needs lm-eval, which is not installed; install it with: pip install lm-eval") from None
-    return harness.task_runner(settings["eval_tasks"], settings["eval_tasks_include_path"] or None,
-                               settings["eval_tasks_limit"], settings["batch_size"], meta)
-
-
-def compile_backend(compile, device_type):
-    """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
-    run (on a CPU inductor's compilation takes minutes)."""
-    return "inductor" if compile and device_type == "cuda" else None
-
-
 def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
                     muon_momentum=DEFAULTS["muon_momentum"]):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
@@ -309,8 +305,7 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
     every step (optimizer_step)."""
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
-    embeddings = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding) for p in
-                  module.parameters()}
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     hidden_matrices, other_matrices, vectors = [], [], []
     for name, param in model.named_parameters():
         if param.dim() < 2:
@@ -331,40 +326,9 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
                         adjust_lr_fn="match_rms_adamw")]
 
 
-def last_line(signalled, iter_num, ckpt_path):
-    """What the run says last: where its checkpoint is, and what to do with it."""
-    if signalled:
-        return f"stopped by signal at iter {iter_num}; checkpoint saved to {ckpt_path}, continue with --init_from=resume"
-    if not os.path.exists(ckpt_path):
-        return f"done at iter {iter_num}; no checkpoint was saved: val loss never improved, and always_save_checkpoint=False"
-    return (f"done at iter {iter_num}; checkpoint in {ckpt_path}, sample from it with: python sample.py "
-            f"--out_dir={os.path.dirname(ckpt_path)}")
-
-
-def catch_stop_signals():
-    """A list that SIGINT and SIGTERM append to from now on, instead of ending the process."""
-    stop_signal = []
-
-    def request_stop(signum, frame):
-        if not stop_signal:  # an evaluation may take a while before the loop sees it: say it was heard
-            print("stopping: a checkpoint is saved once the current step or evaluation ends (Ctrl-C again quits at "
-                  "once)", file=sys.stderr, flush=True)
-        stop_signal.append(signum)
-        signal.signal(signum, signal.SIG_DFL)  # a second Ctrl-C ends the process at once
-
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, request_stop)
-    return stop_signal
-
-
-# ----------------------------------------------------------------------------------------------------
-# The loop's parts
-
-
 @torch.no_grad()
 def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
-    """Mean loss on eval_iters batches of each split, the same batches every time (a fixed seed), spread
-    over the processes."""
+    """Mean loss on eval_iters batches of each split, the same ones every time (seed 0), spread over the processes."""
     model.eval()
     losses = {}
     for split in ("train", "val"):
@@ -390,7 +354,8 @@ def mean_over_processes(value, world_size):
 
 def check_finite(loss, iter_num, ckpt_path):
     if not math.isfinite(loss):
-        kept = f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path) else "no checkpoint was saved"
+        kept = (f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path)
+                else "no checkpoint was saved")
         raise UserError(f"loss is {loss} at iter {iter_num}: training diverged and stops; {kept}. "
                         "Lower learning_rate, raise warmup_iters or set grad_clip")
 
@@ -417,8 +382,7 @@ def lr_multiplier(it, settings, time_spent=None):
 
 
 def forward_backward(model, loader, micro_steps, scaler, autocast, loss_chunk):
-    """The mean loss of micro_steps forward/backward passes, accumulating gradients; across processes the gradients
-    are averaged on the last pass only."""
+    """The mean loss of micro_steps forward/backward passes; gradients are averaged over processes at the last."""
     loss_sum = 0.0
     for micro_step in range(micro_steps):
         x, y = loader.next_batch()
@@ -435,8 +399,7 @@ def forward_backward(model, loader, micro_steps, scaler, autocast, loss_chunk):
 
 
 def optimizer_step(model, optimizers, scaler, grad_clip, lr):
-    """Clip the gradients (0: no clipping), step every optimizer at learning rate lr and clear the gradients; the
-    gradients' norm before clipping."""
+    """Clip the gradients (grad_clip 0: not), step each optimizer at lr, clear the gradients; their norm unclipped."""
     for optimizer in optimizers:
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
