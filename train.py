@@ -162,9 +162,7 @@ def train(settings, run_dir):
                             "lm-eval") from None
         tasks = harness.task_runner(settings["eval_tasks"], settings["eval_tasks_include_path"] or None,
                                     settings["eval_tasks_limit"], settings["batch_size"], meta)
-    # compiled on CUDA only, where compiling pays within a run (on a CPU inductor's compilation takes minutes)
-    backend = "inductor" if settings["compile"] and device_type == "cuda" else None
-    model = raw_model.to(device)  # what the steps call
+    model, backend = raw_model.to(device), compile_backend(settings["compile"], device_type)  # model: what steps call
     if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():
         from gpt.parallel import prepare  # compiled, and checkpointed, sharded or wrapped in DDP, in that order
         model = prepare(model, settings, device, ptdtype, backend)
@@ -297,12 +295,17 @@ def check_settings(settings):
     return settings
 
 
+def compile_backend(compile, device_type):
+    """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
+    run (on a CPU inductor's compilation takes minutes)."""
+    return "inductor" if compile and device_type == "cuda" else None
+
+
 def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
                     muon_momentum=DEFAULTS["muon_momentum"]):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
-    matrices inside the blocks, which it orthogonalizes, and AdamW the embeddings (an nn.Embedding's rows are lookups,
-    not a map to orthogonalize, also inside a block), the head, norms and biases. The learning rate is set before
-    every step (optimizer_step)."""
+    matrices inside the blocks, and AdamW the embeddings (an nn.Embedding's rows are lookups, not a map to
+    orthogonalize, also inside a block), the head, norms and biases. optimizer_step sets the learning rate."""
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
