@@ -5,6 +5,8 @@ For each config, with random weights (sharp, context-dependent distributions) in
 - the static cache (torch.compile's path, garbage in its unwritten slots) gives the growing cache's logits;
 - greedy generate equals a naive loop that recomputes the whole sequence every step;
 - engine's greedy decode_batch equals a naive loop (past block_size too), and speculative decoding equals it;
+  generate, decode_batch and prompt lookup by the logits they chose from too (a soft cap that one of them skips
+  changes no greedy token), and eval.py's scorers give a full forward's log-probabilities;
 - the full-sequence forward (SDPA's is_causal fast path when window == 0) equals the mask rule's logits;
 - changing one token changes exactly the logits in its receptive field (derived layer by layer from the promises:
   causal, and n_layer * (window - 1) positions on with a sliding window);
@@ -133,6 +135,25 @@ def max_error(actual, expected):
     NaN (e.g. a row with every key masked) counts as infinite."""
     difference = torch.nan_to_num((actual - expected).abs(), nan=math.inf).max().item()
     return difference / max(1.0, expected.abs().max().item())
+
+
+def assert_same_logits(actual, expected, path):
+    """A decoding path's logits are a full forward's (TOL): compared as logits, not greedy tokens, which a monotone
+    change of the logits (a soft cap, a temperature) that the path skips never moves."""
+    error = max_error(actual, expected)
+    assert error < TOL, f"{path}: logits differ from the full forward's by {error:.3g} (max |logit|)"
+
+
+def recording(monkeypatch, module, name):
+    """Record the logits (the first argument) of every call of module.name, which goes on as before."""
+    calls, original = [], getattr(module, name)
+
+    def record(logits, *args, **kwargs):
+        calls.append(logits.detach().clone())
+        return original(logits, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, record)
+    return calls
 
 
 def chunk_sizes(total, seed):
@@ -473,13 +494,18 @@ def naive_greedy(model, idx, n):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_generate_equals_naive_loop(name, device):
+def test_greedy_generate_equals_naive_loop(name, device, monkeypatch):
+    from gpt import sampling
     model = build(name, device)
     prompt = tokens(model, (2, 6), seed=4)
     n = model.config.block_size - 6
     expected = naive_greedy(model, prompt, n)
+    chosen_from = recording(monkeypatch, sampling, "sample_next_token")
     assert torch.equal(model.generate(prompt, n, temperature=0.0), expected)
     assert len(expected[:, 6:].unique()) > 3  # varied output: positions and context matter to the check
+    # and the logits it chose from, a full forward's: a monotone edit (a soft cap) that generate skips changes no token
+    with torch.inference_mode():
+        assert_same_logits(torch.stack(chosen_from, 1), model(expected)[0][:, 5:-1], "generate")
 
 
 class NoTextTokenizer:
@@ -538,16 +564,24 @@ def noised(model, seed, scale=0.03):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_speculative_greedy_equals_plain_greedy(name, device):
+def test_speculative_greedy_equals_plain_greedy(name, device, monkeypatch):
     model = build(name, device)
     vocab, prompt = model.config.vocab_size, tokens(model, (5,), seed=5).tolist()
     n = model.config.block_size + 5  # past block_size: the context window slides once
-    expected = naive_greedy_sliding(model, prompt, n)
+    expected_logits = []
+    expected = naive_greedy_sliding(model, prompt, n, expected_logits)
+    expected_logits = torch.stack(expected_logits)  # (n, V): each step's, a full forward of its context
     assert len(set(expected)) > 3  # varied output, so that agreeing means something
 
-    plain = RecordingSamples(1, vocab)
+    # plain decoding and prompt lookup, by their tokens and by the logits they chose them from (see generate's test)
+    plain, decoded = RecordingSamples(1, vocab), recording(monkeypatch, engine, "next_tokens")
     engine.decode_batch(model, prompt, greedy_settings(n), plain, torch.Generator(device).manual_seed(0))
     assert plain.tokens[0] == expected
+    assert_same_logits(torch.cat(decoded), expected_logits, "decode_batch")
+    lookup, checked = RecordingSamples(1, vocab), recording(monkeypatch, speculative, "next_tokens")
+    speculative.decode_lookup(model, prompt, greedy_settings(n), lookup, torch.Generator(device))
+    assert lookup.tokens[0] == expected
+    assert_same_logits(torch.cat(checked)[:n], expected_logits, "prompt lookup's checks")
 
     # Both ways a speculative step ends: the model as its own draft is always right (every proposal accepted and
     # one more token drawn), a noised copy is sometimes wrong (a rejected proposal replaced).
@@ -565,28 +599,20 @@ def test_speculative_greedy_equals_plain_greedy(name, device):
 CAP = 2.0  # far inside the random models' logits (up to ~10): a path that skips the cap shows at once
 
 
-def recording(monkeypatch, module, name):
-    """Record the logits (the first argument) of every call of module.name, which goes on as before."""
-    calls, original = [], getattr(module, name)
-
-    def record(logits, *args, **kwargs):
-        calls.append(logits.detach().clone())
-        return original(logits, *args, **kwargs)
-
-    monkeypatch.setattr(module, name, record)
-    return calls
-
-
 def assert_capped_and_equal(actual, expected, path):
     """A path's logits went through the capped model.logits (none past CAP) and are the full forward's."""
     assert actual.abs().max() <= CAP * (1 + 1e-6), f"{path}: logits past the cap: computed without model.logits"
-    error = max_error(actual, expected)
-    assert error < TOL, f"{path}: logits differ from the full forward's by {error:.3g} (max |logit|)"
+    assert_same_logits(actual, expected, path)
+
+
+# Logits made from the head outside model.logits: calling it (or its forward), or multiplying by its weight
+HEAD_PRODUCT = re.compile(r"lm_head\s*(\(|\.forward\b)|lm_head\.weight\s*\.\s*(T|mT|t\(\))|@\s*[\w.]*lm_head|"
+                          r"linear\([^)]*lm_head")
 
 
 def test_no_code_outside_model_py_calls_the_head():
-    """model.logits is the one way from hidden states to logits: a call of lm_head anywhere else would skip an edit
-    of it (reading lm_head.weight, as export and experiments/kv_cache.py do, is not a call)."""
+    """model.logits is the one way from hidden states to logits: a product with lm_head anywhere else would skip an
+    edit of it (reading lm_head.weight, as export and experiments/kv_cache.py do, is not one)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     callers = []
     for folder, subfolders, files in os.walk(root):
@@ -595,7 +621,7 @@ def test_no_code_outside_model_py_calls_the_head():
             path = os.path.join(folder, name)
             if name.endswith(".py") and path != os.path.join(root, "model.py"):
                 with open(path, encoding="utf-8") as f:
-                    callers += [f"{path}:{n}" for n, line in enumerate(f, 1) if re.search(r"lm_head\s*\(", line)]
+                    callers += [f"{path}:{n}" for n, line in enumerate(f, 1) if HEAD_PRODUCT.search(line)]
     assert not callers, f"logits computed outside model.logits: {callers}"
 
 
@@ -623,7 +649,7 @@ def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
     static cache of compiled and CUDA-graph steps, batched samples, the sliding window), prompt lookup's speculative
     checks and eval.py's scorers use are each capped and equal to a full forward's: not only their greedy tokens,
     which a monotone edit of the logits never changes."""
-    from gpt import sampling, scoring
+    from gpt import sampling
     original = GPT.logits
     monkeypatch.setattr(GPT, "logits", lambda self, hidden: CAP * torch.tanh(original(self, hidden) / CAP))
     model = build(name, device)
@@ -648,17 +674,37 @@ def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
     speculative.decode_lookup(model, prompt, greedy_settings(n), RecordingSamples(1, vocab), torch.Generator(device))
     assert_capped_and_equal(torch.cat(checked)[:n], expected, "prompt lookup's checks")
 
-    # eval.py's scorers, by log-probabilities: a cap skipped changes every one of them
+    assert_scorers_follow_the_full_forward(model)  # eval.py's: a cap skipped changes every log-probability
+
+
+def assert_scorers_follow_the_full_forward(model):
+    """eval.py's scorers (gpt/scoring.py: a sliding window of token log-probabilities, continuations after one cached
+    context, and (context, continuation) pairs as rows of a padded batch) give a full forward's log-probabilities."""
+    from gpt import scoring
+    block = model.config.block_size
     text = tokens(model, (block + 9,), seed=9)  # longer than a window: token_logprobs slides
     logprobs = torch.log_softmax(model(text[None, :block])[0][0].float(), -1)  # the first window's (block, V)
     expected = logprobs[:-1].gather(1, text[1:block, None])[:, 0].cpu()  # log p(text[i + 1] | text[:i + 1])
     assert (scoring.token_logprobs(model, text)[:block - 1] - expected).abs().max() < 1e-4, "token_logprobs"
-    continuations = [text[6:9].tolist(), text[6:12].tolist()]
-    logprobs = torch.log_softmax(model(text[None, :12])[0][0].float(), -1)  # (12, V)
-    for (actual, _), continuation in zip(scoring.continuation_logprobs(model, text[:6].tolist(), continuations),
-                                         continuations):
-        expected = sum(logprobs[5 + i, token].item() for i, token in enumerate(continuation))
-        assert abs(actual - expected) < 1e-4, ("continuation_logprobs", actual, expected)
+
+    def forward_logprob(context, continuation):  # log p(continuation | context), the sequence cut to block + 1
+        sequence = (context + continuation)[-(block + 1):]
+        logprobs = torch.log_softmax(model(torch.tensor([sequence[:-1]], device=text.device))[0][0].float(), -1)
+        start = len(sequence) - 1 - len(continuation)
+        return sum(logprobs[start + i, token].item() for i, token in enumerate(continuation))
+
+    context, continuations = text[:6].tolist(), [text[6:9].tolist(), text[6:12].tolist()]
+    for (actual, _), continuation in zip(scoring.continuation_logprobs(model, context, continuations), continuations):
+        assert abs(actual - forward_logprob(context, continuation)) < 1e-4, "continuation_logprobs"
+    pairs = [(context, continuations[0]), (text[:block + 4].tolist(), text[block + 4:].tolist())]  # one cut short
+    for (actual, _), pair in zip(scoring.sequence_logprobs(model, pairs), pairs):
+        assert abs(actual - forward_logprob(*pair)) < 1e-4, "sequence_logprobs"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@torch.inference_mode()
+def test_the_scorers_give_a_full_forwards_log_probabilities(name, device):
+    assert_scorers_follow_the_full_forward(build(name, device))
 
 
 # ----------------------------------------------------------------------------------------------------
