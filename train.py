@@ -87,22 +87,150 @@ DEFAULTS = dict(
 )
 
 
-def main(argv):
-    settings = check_settings(configure(DEFAULTS, argv))
-    # Rank 0 alone writes and prints: it alone holds the run folder (torchrun sets RANK; one process is rank 0)
-    run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None
-    threads = torch.get_num_threads()  # train() may take fewer (gpt/machine.py); a caller's process gets it back
-    try:
-        stop_signal = train(settings, run_dir)
-    finally:
-        torch.set_num_threads(threads)
-        if run_dir:
-            run_dir.close()
-    # Torn down only once train() has freed the DDP/FSDP model: destroyed first, the group's last reference was DDP's
-    # reducer, whose release joined gloo's threads holding the GIL while one waited for it (deadlocked 3 runs in 90).
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return stop_signal  # the signal that stopped the run, or None: it ran to the end
+def check_settings(settings):
+    """settings, once every value that would fail deep inside the run (in numpy, torch, a division) is known good."""
+    init_from = settings["init_from"]
+    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
+        gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a "
+                "Llama or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
+        raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}")
+    for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
+                "gradient_accumulation_steps"):
+        if settings[key] < 1:
+            raise UserError(f"{key} must be at least 1, got {settings[key]}")
+    if settings["learning_rate"] <= 0:
+        raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
+    for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
+        if settings[key] < 0:
+            raise UserError(f"{key} must be at least 0, got {settings[key]}")
+    if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
+        raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
+    if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
+        raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
+    return settings
+
+
+def compile_backend(compile, device_type):
+    """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
+    run (on a CPU inductor's compilation takes minutes)."""
+    return "inductor" if compile and device_type == "cuda" else None
+
+
+def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
+                    muon_momentum=DEFAULTS["muon_momentum"]):
+    """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
+    matrices inside the blocks, and AdamW the embeddings (an nn.Embedding's rows are lookups, not a map to
+    orthogonalize, also inside a block), the head, norms and biases. optimizer_step sets the learning rate."""
+    if optimizer not in ("adamw", "muon"):
+        raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    hidden_matrices, other_matrices, vectors = [], [], []
+    for name, param in model.named_parameters():
+        if param.dim() < 2:
+            vectors.append(param)
+        elif optimizer == "muon" and name.startswith("layers.") and id(param) not in embeddings:
+            hidden_matrices.append(param)
+        else:
+            other_matrices.append(param)
+    groups = [dict(params=other_matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)]
+    adamw = torch.optim.AdamW(groups, betas=betas, fused=device_type == "cuda")
+    if optimizer == "adamw":
+        return [adamw]
+    from gpt.muon import Muon as muon  # torch's Muon, orthogonalizing in float32 on a CPU
+    if sharded:
+        from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
+    # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
+    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, momentum=muon_momentum,
+                        adjust_lr_fn="match_rms_adamw")]
+
+
+@torch.no_grad()
+def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
+    """Mean loss on eval_iters batches of each split, the same ones every time (seed 0), spread over the processes."""
+    model.eval()
+    losses = {}
+    for split in ("train", "val"):
+        loader = ShardLoader(data_dir, split, settings["batch_size"], settings["block_size"], seed=0,
+                             rank=rank, world_size=world_size, device=device)
+        total = torch.zeros((), device=device)
+        n_batches = max(1, settings["eval_iters"] // world_size)
+        for _ in range(n_batches):
+            x, y = loader.next_batch()
+            with autocast:
+                total += model(x, y, loss_chunk=settings["loss_chunk"])[1].float()
+        losses[split] = mean_over_processes(total, world_size) / n_batches
+    model.train()
+    return losses
+
+
+def mean_over_processes(value, world_size):
+    """A 0-d tensor's mean over all processes, as a float (the one sync with the GPU)."""
+    if world_size > 1:
+        dist.all_reduce(value)
+    return value.item() / world_size
+
+
+def check_finite(loss, iter_num, ckpt_path):
+    if not math.isfinite(loss):
+        kept = (f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path)
+                else "no checkpoint was saved")
+        raise UserError(f"loss is {loss} at iter {iter_num}: training diverged and stops; {kept}. "
+                        "Lower learning_rate, raise warmup_iters or set grad_clip")
+
+
+def lr_multiplier(it, settings, time_spent=None):
+    """The learning rate at iteration it, as a fraction of learning_rate: linear warmup, then cosine or
+    warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after. Under max_seconds, time_spent (the
+    fraction of it used) stands in for the iterations after warmup: the decay ends when the time does."""
+    warmup, decay_iters = settings["warmup_iters"], settings["lr_decay_iters"] or settings["max_iters"]
+    min_ratio = settings["min_lr"] / settings["learning_rate"]
+    if it < warmup:
+        return (it + 1) / warmup
+    if time_spent is not None:
+        it = warmup + min(1.0, time_spent) * (decay_iters - warmup)
+    if it >= decay_iters:
+        return min_ratio
+    if settings["lr_schedule"] == "wsd":
+        decay_start = decay_iters * (1 - settings["cooldown_frac"])
+        if it < decay_start:
+            return 1.0
+        return min_ratio + (1 - min_ratio) * (decay_iters - it) / (decay_iters - decay_start)
+    progress = (it - warmup) / max(1, decay_iters - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def forward_backward(model, loader, micro_steps, scaler, autocast, loss_chunk):
+    """The mean loss of micro_steps forward/backward passes; gradients are averaged over processes at the last."""
+    loss_sum = 0.0
+    for micro_step in range(micro_steps):
+        x, y = loader.next_batch()
+        sync = contextlib.nullcontext()
+        if dist.is_initialized():
+            from gpt.parallel import gradient_sync
+            sync = gradient_sync(model, enabled=micro_step == micro_steps - 1)
+        with sync:
+            with autocast:
+                loss = model(x, y, loss_chunk=loss_chunk)[1]  # logits not kept through the backward
+            scaler.scale(loss / micro_steps).backward()
+        loss_sum += loss.detach().float() / micro_steps
+    return loss_sum
+
+
+def optimizer_step(model, optimizers, scaler, grad_clip, lr):
+    """Clip the gradients (grad_clip 0: not), step each optimizer at lr, clear the gradients; their norm unclipped."""
+    for optimizer in optimizers:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm of all shards together, as a DTensor
+        grad_norm = grad_norm.full_tensor()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        scaler.step(optimizer)
+    scaler.update()
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def train(settings, run_dir):
@@ -272,150 +400,22 @@ def train(settings, run_dir):
     return stop_signal[0] if signalled else None
 
 
-def check_settings(settings):
-    """settings, once every value that would fail deep inside the run (in numpy, torch, a division) is known good."""
-    init_from = settings["init_from"]
-    if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
-        gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a "
-                "Llama or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
-        raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}")
-    for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
-                "gradient_accumulation_steps"):
-        if settings[key] < 1:
-            raise UserError(f"{key} must be at least 1, got {settings[key]}")
-    if settings["learning_rate"] <= 0:
-        raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
-    for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
-        if settings[key] < 0:
-            raise UserError(f"{key} must be at least 0, got {settings[key]}")
-    if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
-        raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
-    if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
-        raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
-    return settings
-
-
-def compile_backend(compile, device_type):
-    """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
-    run (on a CPU inductor's compilation takes minutes)."""
-    return "inductor" if compile and device_type == "cuda" else None
-
-
-def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
-                    muon_momentum=DEFAULTS["muon_momentum"]):
-    """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
-    matrices inside the blocks, and AdamW the embeddings (an nn.Embedding's rows are lookups, not a map to
-    orthogonalize, also inside a block), the head, norms and biases. optimizer_step sets the learning rate."""
-    if optimizer not in ("adamw", "muon"):
-        raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
-    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    hidden_matrices, other_matrices, vectors = [], [], []
-    for name, param in model.named_parameters():
-        if param.dim() < 2:
-            vectors.append(param)
-        elif optimizer == "muon" and name.startswith("layers.") and id(param) not in embeddings:
-            hidden_matrices.append(param)
-        else:
-            other_matrices.append(param)
-    groups = [dict(params=other_matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)]
-    adamw = torch.optim.AdamW(groups, betas=betas, fused=device_type == "cuda")
-    if optimizer == "adamw":
-        return [adamw]
-    from gpt.muon import Muon as muon  # torch's Muon, orthogonalizing in float32 on a CPU
-    if sharded:
-        from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
-    # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
-    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, momentum=muon_momentum,
-                        adjust_lr_fn="match_rms_adamw")]
-
-
-@torch.no_grad()
-def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
-    """Mean loss on eval_iters batches of each split, the same ones every time (seed 0), spread over the processes."""
-    model.eval()
-    losses = {}
-    for split in ("train", "val"):
-        loader = ShardLoader(data_dir, split, settings["batch_size"], settings["block_size"], seed=0,
-                             rank=rank, world_size=world_size, device=device)
-        total = torch.zeros((), device=device)
-        n_batches = max(1, settings["eval_iters"] // world_size)
-        for _ in range(n_batches):
-            x, y = loader.next_batch()
-            with autocast:
-                total += model(x, y, loss_chunk=settings["loss_chunk"])[1].float()
-        losses[split] = mean_over_processes(total, world_size) / n_batches
-    model.train()
-    return losses
-
-
-def mean_over_processes(value, world_size):
-    """A 0-d tensor's mean over all processes, as a float (the one sync with the GPU)."""
-    if world_size > 1:
-        dist.all_reduce(value)
-    return value.item() / world_size
-
-
-def check_finite(loss, iter_num, ckpt_path):
-    if not math.isfinite(loss):
-        kept = (f"the last good checkpoint, {ckpt_path}, is kept" if os.path.exists(ckpt_path)
-                else "no checkpoint was saved")
-        raise UserError(f"loss is {loss} at iter {iter_num}: training diverged and stops; {kept}. "
-                        "Lower learning_rate, raise warmup_iters or set grad_clip")
-
-
-def lr_multiplier(it, settings, time_spent=None):
-    """The learning rate at iteration it, as a fraction of learning_rate: linear warmup, then cosine or
-    warmup-stable-decay down to min_lr at lr_decay_iters, and min_lr after. Under max_seconds, time_spent (the
-    fraction of it used) stands in for the iterations after warmup: the decay ends when the time does."""
-    warmup, decay_iters = settings["warmup_iters"], settings["lr_decay_iters"] or settings["max_iters"]
-    min_ratio = settings["min_lr"] / settings["learning_rate"]
-    if it < warmup:
-        return (it + 1) / warmup
-    if time_spent is not None:
-        it = warmup + min(1.0, time_spent) * (decay_iters - warmup)
-    if it >= decay_iters:
-        return min_ratio
-    if settings["lr_schedule"] == "wsd":
-        decay_start = decay_iters * (1 - settings["cooldown_frac"])
-        if it < decay_start:
-            return 1.0
-        return min_ratio + (1 - min_ratio) * (decay_iters - it) / (decay_iters - decay_start)
-    progress = (it - warmup) / max(1, decay_iters - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def forward_backward(model, loader, micro_steps, scaler, autocast, loss_chunk):
-    """The mean loss of micro_steps forward/backward passes; gradients are averaged over processes at the last."""
-    loss_sum = 0.0
-    for micro_step in range(micro_steps):
-        x, y = loader.next_batch()
-        sync = contextlib.nullcontext()
-        if dist.is_initialized():
-            from gpt.parallel import gradient_sync
-            sync = gradient_sync(model, enabled=micro_step == micro_steps - 1)
-        with sync:
-            with autocast:
-                loss = model(x, y, loss_chunk=loss_chunk)[1]  # logits not kept through the backward
-            scaler.scale(loss / micro_steps).backward()
-        loss_sum += loss.detach().float() / micro_steps
-    return loss_sum
-
-
-def optimizer_step(model, optimizers, scaler, grad_clip, lr):
-    """Clip the gradients (grad_clip 0: not), step each optimizer at lr, clear the gradients; their norm unclipped."""
-    for optimizer in optimizers:
-        scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # FSDP: the norm of all shards together, as a DTensor
-        grad_norm = grad_norm.full_tensor()
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        scaler.step(optimizer)
-    scaler.update()
-    for optimizer in optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    return grad_norm
+def main(argv):
+    settings = check_settings(configure(DEFAULTS, argv))
+    # Rank 0 alone writes and prints: it alone holds the run folder (torchrun sets RANK; one process is rank 0)
+    run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None
+    threads = torch.get_num_threads()  # train() may take fewer (gpt/machine.py); a caller's process gets it back
+    try:
+        stop_signal = train(settings, run_dir)
+    finally:
+        torch.set_num_threads(threads)
+        if run_dir:
+            run_dir.close()
+    # Torn down only once train() has freed the DDP/FSDP model: destroyed first, the group's last reference was DDP's
+    # reducer, whose release joined gloo's threads holding the GIL while one waited for it (deadlocked 3 runs in 90).
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return stop_signal  # the signal that stopped the run, or None: it ran to the end
 
 
 if __name__ == "__main__":
