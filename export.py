@@ -21,7 +21,7 @@ import sys
 from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import load_model
-from gpt.hf import EXPORT_FILES, export_hf
+from gpt.hf import EXPORT_FILES, PROOF_POSITIONS, export_hf
 
 DEFAULTS = dict(
     out_dir="out-small",  # the folder holding ckpt.pt (or a path to a .pt file)
@@ -48,6 +48,8 @@ def main(argv):
     model, meta, _ = load_model(settings["out_dir"])
     config, checked = export_hf(model, meta, settings["to"])
     check = "same logits in transformers" if checked else "logits not compared: transformers is not installed"
+    if checked and model.config.block_size > PROOF_POSITIONS:
+        check += f" at the first {PROOF_POSITIONS} of its {model.config.block_size} positions"
     print(f"wrote {config['architectures'][0]} ({model.num_params() / 1e6:.2f}M parameters; {check}) to "
           f"{settings['to']}; load it with transformers.AutoModelForCausalLM.from_pretrained({settings['to']!r})")
 

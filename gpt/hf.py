@@ -186,13 +186,15 @@ def check_tensors(state, hf):
 
 # ----------------------------------------------------------------------------------------------------
 # The proof: what export shows before it writes. Two functions of the same weights, ours and transformers' Llama or
-# Qwen3, are equal where (1) the token ids reach nothing but the embedding lookup, (2) the mask rule is the causal one
-# at every pair of positions, and (3) the outputs agree on ids at every position of the context: with (1) and (2), what
-# is left is a function of the embedded tokens and their positions, and two such architectures that differ (a norm,
-# RoPE's pairing, a soft cap) give other outputs on almost every input, which random ids are. No batch has to find a
-# rule of the tokens by luck: a model with one is refused by (1), naming the function that reads them.
+# Qwen3, are equal where (1) the token ids reach nothing but their lookup in embed_tokens, (2) the mask rule is the
+# causal one at every pair of positions (by its values at the first PROOF_POSITIONS, past them by what it computes:
+# key <= query and nothing else), and (3) the outputs agree on random ids at every position of the context (the first
+# PROOF_POSITIONS of a longer one, which export's line then says): with (1) and (2), what is left is a function of the
+# embedded tokens and their positions, and two such architectures that differ (a norm, RoPE's pairing, a soft cap)
+# give other outputs on almost every input, which random ids are. No batch has to find a rule of the tokens by luck: a
+# model with one is refused by (1), naming the function that reads them.
 
-PROOF_POSITIONS = 4096  # (3) at the first 4096 positions at most: a forward of a 32k context on a CPU takes minutes
+PROOF_POSITIONS = 4096  # (2) and (3) at the first 4096 positions at most: a forward of 32k on a CPU takes minutes
 LOGITS_POSITIONS = 64  # logits (B, T, V) compared at these first positions (a 150k-token head), hidden states at all
 
 
@@ -206,15 +208,28 @@ METADATA = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.dim, tor
 
 
 class TokenIds(torch.Tensor):
-    """Token ids whose values only the embedding lookup may read: any other torch function of them (a comparison,
-    an index, .tolist()) raises TokensRead. Their shape, device and dtype are free to read."""
+    """Token ids whose values only the lookup in their table (the model's embed_tokens.weight, set as .table) may
+    read: any other torch function of them (a comparison, an index, .tolist(), a lookup in another table) raises
+    TokensRead. Their shape, device and dtype are free to read."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func not in METADATA and func is not torch.nn.functional.embedding:
+        looked_up = func is torch.nn.functional.embedding and args[1:2] and args[1] is args[0].table
+        if func not in METADATA and not looked_up:
             raise TokensRead(getattr(func, "__name__", str(func)))
         with torch._C.DisableTorchFunctionSubclass():  # the result a plain tensor: the embeddings are no ids
             return func(*args, **(kwargs or {}))
+
+
+class RecordedPositions(torch.Tensor):
+    """Positions whose every torch function (and those of the tensors computed from them) is named in calls."""
+    calls = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func not in METADATA:
+            cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def reader(error):
@@ -231,7 +246,8 @@ def tokens_read(error):
 
 def check_mask_rule(model, tokens):
     """(2): UserError unless model.py's can_attend is a Llama's rule, key <= query, at every pair of positions of
-    tokens (1, T) in every layer, without reading the tokens."""
+    tokens (1, T) in every layer, without reading the tokens; and, where the context is longer than T, unless it
+    computes key <= query and nothing else (a rule of the positions past T would not show in their values)."""
     positions = torch.arange(tokens.size(1))
     causal = positions <= positions[:, None]  # (T, T)
     for layer in range(model.config.n_layer):
@@ -244,6 +260,20 @@ def check_mask_rule(model, tokens):
             query, key = wrong[0][-2:].tolist()
             raise UserError(f"model.py's can_attend is not a Llama's causal rule: in layer {layer} the query at "
                             f"{query} {'may' if key > query else 'may not'} see the key at {key}")
+        if model.config.block_size > tokens.size(1):  # positions whose pairs were not checked: the rule as written
+            calls = rule_calls(lambda query, key: model_py.can_attend(query, key, model.config, layer, tokens))
+            if calls != rule_calls(lambda query, key: key <= query):
+                raise UserError(f"model.py's can_attend computes {', '.join(calls)} of the positions in layer {layer}, "
+                                f"not key <= query alone: export checks the rule's values at the first "
+                                f"{tokens.size(1)} positions only, and this model reads {model.config.block_size}")
+
+
+def rule_calls(rule):
+    """The torch functions rule(query_pos, key_pos) computes of the positions, by name, in order."""
+    RecordedPositions.calls = []
+    positions = torch.arange(2)
+    rule(positions[:, None].as_subclass(RecordedPositions), positions.as_subclass(RecordedPositions))
+    return [name.strip("_") for name in RecordedPositions.calls]
 
 
 def proof_ids(config):
@@ -256,6 +286,7 @@ def our_outputs(model, idx):
     """(1) and (2), then our side of (3): the logits (1, LOGITS_POSITIONS, V) of idx's first tokens through forward,
     and the final hidden states (1, T, C) of all of idx, each computed from ids only the embedding may read."""
     tokens, first = idx.as_subclass(TokenIds), idx[:, :LOGITS_POSITIONS].as_subclass(TokenIds)  # (1, T), (1, 64)
+    tokens.table = first.table = model.embed_tokens.weight
     check_mask_rule(model, tokens)
     was_training = model.training
     model.eval()

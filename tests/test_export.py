@@ -515,6 +515,38 @@ def test_export_refuses_a_mask_rule_of_positions_that_is_not_causal_naming_the_f
     assert os.listdir(tmp_path) == []
 
 
+def test_export_refuses_ids_looked_up_in_a_table_of_their_own(monkeypatch, tmp_path):
+    """A rule of the tokens written as a lookup (a table whose row for id 0 is 1: a separator) reads the ids as the
+    embedding does: only their lookup in embed_tokens is allowed, any other table is refused by name."""
+    original = model_py.GPT.hidden_states
+
+    def hidden_states(self, idx, kv_cache=None, input_pos=None):
+        is_zero = torch.nn.functional.embedding(idx, torch.eye(self.config.vocab_size)[:, :1])  # (B, T, 1)
+        return original(self, idx, kv_cache, input_pos) * (1 - is_zero)
+
+    monkeypatch.setattr(model_py.GPT, "hidden_states", hidden_states)
+    assert_refused(our_model("llama_like"), str(tmp_path / "out"),
+                   r"^hidden_states \(test_export.py:\d+\) reads the token ids \(embedding\)", monkeypatch)
+    assert os.listdir(tmp_path) == []
+
+
+def test_past_the_positions_export_checks_the_mask_rule_must_be_key_before_query_as_written(monkeypatch, tmp_path):
+    """A context longer than the proof's positions (4,096): a rule that hides keys only past them (here key 5,000 on)
+    has a Llama's values wherever they are checked, so the rule itself must compute key <= query and nothing else;
+    the plain rule still exports."""
+    model = randomize_(GPT(GPTConfig(vocab_size=97, block_size=6000, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+                                     qk_norm=False, tie_embeddings=False)), seed=2)
+    rule = model_py.can_attend
+    monkeypatch.setattr(model_py, "can_attend", lambda query_pos, key_pos, config, layer, tokens: rule(
+        query_pos, key_pos, config, layer, tokens) & (key_pos < 5000))
+    assert_refused(model, str(tmp_path / "out"), r"^model.py's can_attend computes le, lt, and of the "
+                   r"positions in layer 0, not key <= query alone: export checks the rule's values at the first 4096 "
+                   r"positions only, and this model reads 6000$", monkeypatch)
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert export_or_skip(model, char_meta(), str(tmp_path / "out"))[1] in (True, False)  # written
+
+
 def test_a_refused_export_leaves_an_earlier_export_in_the_folder_as_it_was(monkeypatch, tmp_path):
     folder = tmp_path / "hf"
     export_or_skip(our_model("llama_like"), char_meta(), str(folder))
