@@ -39,7 +39,7 @@ class SharedCpu:
         busy = max(0.0, total - idle - own) / total * self.cores  # the cores other processes kept busy
         self.last, self.span, self.look_ends = now, CHECK_SECONDS, float("-inf")
         threads = self.most if busy < BUSY_CORES else max(1, min(self.most, round(self.cores - busy)))
-        torch.set_num_threads(threads)  # the same count again where nothing changed
+        torch.set_num_threads(threads)  # a no-op where the count is unchanged
         if threads == self.most or self.said:
             return None
         self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
