@@ -5,6 +5,7 @@ tests: counters they fake, or, in the two tests that say so, processes spinning 
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -218,4 +219,7 @@ def test_train_says_once_that_the_machine_is_busy(workdir, tmp_path, monkeypatch
     assert stopped_by is None, out  # it ran to the end: the command's exit status 0
     lines = [line for line in out.splitlines() if line.startswith("this machine is")]
     if os.cpu_count() > 1:
-        assert len(lines) == 1 and "busier than its cores" in lines[0] and "takes 1 thread" in lines[0], out
+        # the spinners and this run share the cores: others' share measures 1.3-1.9 of 2 (busy, or busier than its
+        # cores, from 1.5), and either way the run takes 1 thread
+        assert len(lines) == 1 and re.match(r"this machine is (busy|busier than its cores): ", lines[0]), out
+        assert "takes 1 thread" in lines[0], out
