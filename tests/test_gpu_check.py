@@ -24,14 +24,15 @@ ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "resume", "resum
 TRAINING = ["train_eager", "train", "ddp", "fsdp", "fp16", "bf16"]
 RESUMED = {"resume": "train", "resume_ddp": "ddp", "resume_fsdp": "fsdp"}  # and the row each resumes the run of
 ITERS = 12  # --tiny's
-# Rows the whole check below leaves out (--skip): each runs the function another row of it runs (resume's resume(),
-# int8's quantized_decodes) with other settings, 4 commands and ~40 s of the two cores. What those settings build is
-# checked with the commands faked (test_the_left_out_rows_build_their_rows_commands); what the runs prove, where it
-# lives: DDP's and FSDP's exact resumes in tests/test_parallel.py, w8a8 compiled decoding eager's text in
-# tests/test_quantize.py.
-LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8"]
+# Rows the whole check below leaves out (--skip): each runs what another row of it runs (resume's resume(), int8's
+# quantized_decodes, the draft row's speculative decoding and its output's acceptance line) with other settings, 5
+# commands and ~55 s of the two cores. What those settings build is checked with the commands faked
+# (test_the_left_out_rows_build_their_rows_commands); what the runs prove, where it lives: DDP's and FSDP's exact
+# resumes in tests/test_parallel.py, w8a8 compiled decoding eager's text in tests/test_quantize.py, compiled prompt
+# lookup eager's in tests/test_sample.py.
+LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8", "lookup"]
 # The whole check's rows side by side where none reads another's (--jobs): each row still runs all its commands, they
-# only share the machine. Of its ~30 commands (each a fresh process importing torch, four compiling a decode step),
+# only share the machine. Of its ~25 commands (each a fresh process importing torch, two compiling a decode step),
 # three at a time keep two cores busy
 JOBS = "--jobs=3"
 SCRIPTS = ("train.py", "sample.py", "eval.py")
@@ -47,8 +48,8 @@ def load_script():
 
 @pytest.fixture(scope="module")
 def check(tmp_path_factory):
-    """One run of the whole check, tiny, on the CPU, with --device=cpu: every command is seen to carry it. Rows run
-    side by side (JOBS), as CI may run it: the figures' checks below hold all the same."""
+    """One run of the whole check, tiny, on the CPU, with --device=cpu (but the LEFT_OUT rows): every command is seen
+    to carry it. Rows run side by side (JOBS), as CI may run it: the figures' checks below hold all the same."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU, run bench/gpu_check.py itself")
     out = tmp_path_factory.mktemp("gpu_check") / "check.json"
@@ -106,8 +107,8 @@ def test_the_figures_are_sane(check):
     assert 0 < rows["eval"]["bits_per_byte"] < math.log2(128)
     if LM_EVAL:
         assert 0 <= rows["eval"]["choice_acc"] <= 1 and 0 < rows["eval"]["text_bits_per_byte"] < math.inf
-    for row in ("lookup", "draft"):  # the drafts proposed tokens and some were kept: the text was not all the model's
-        assert rows[row]["tokens"] == 64 and 0 < rows[row]["accepted"] <= rows[row]["proposed"], row
+    # the draft proposed tokens and some were kept: the text was not all the model's
+    assert rows["draft"]["tokens"] == 64 and 0 < rows["draft"]["accepted"] <= rows["draft"]["proposed"]
     assert math.isfinite(rows["draft"]["draft_final_loss"])
 
 
@@ -115,9 +116,8 @@ def test_each_row_ran_the_command_a_user_would(check):
     rows = check.figures["rows"]
     commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
     # training 6, resume 2 (LEFT_OUT: not its ddp and fsdp runs), memory 2, eval 1 (+ 1 with lm-eval), int8 2 (not
-    # w8a8's 2), graphs 2, lookup 1 (plain greedy's text is graphs'), draft 2 (training it, and decoding: plain
-    # greedy's text is graphs' too)
-    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 2 + 1 + 2, commands
+    # w8a8's 2), graphs 2, draft 2 (training it, and decoding: plain greedy's text is graphs'; not lookup's 1)
+    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 2 + 2, commands
     assert all("--device=cpu" in c for c in commands), commands
     assert "--nproc_per_node=2" in rows["ddp"]["commands"][0] and "--compile=True" in rows["ddp"]["commands"][0]
     assert "--fsdp=True --activation_checkpointing=True" in rows["fsdp"]["commands"][0]
@@ -130,7 +130,6 @@ def test_each_row_ran_the_command_a_user_would(check):
     assert "--quantize=int8 --compile=False" in rows["int8"]["commands"][0]
     assert "--quantize=int8 --compile=True" in rows["int8"]["commands"][1]
     assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
-    assert [c.split(" --device=cpu ")[1] for c in rows["lookup"]["commands"]] == ["--draft=lookup --compile=True"]
     assert "train.py" in rows["draft"]["commands"][0]
     assert rows["draft"]["commands"][0].endswith("--n_layer=1 --compile=False")
     assert "--draft=" in rows["draft"]["commands"][1] and rows["draft"]["commands"][1].endswith("--compile=False")
@@ -153,8 +152,9 @@ def assert_resumes_the_same_command(rows, name):
 
 def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
     """The LEFT_OUT rows with every command faked (`must`: a train.py run logs UNBROKEN's losses up to its
-    --max_iters, a sample.py run prints a speed line): resume_ddp and resume_fsdp each train the ddp and fsdp rows'
-    command in two, and w8a8's commands are int8's with the other mode."""
+    --max_iters, a sample.py run prints a speed line, and with --draft an acceptance line): resume_ddp and resume_fsdp
+    each train the ddp and fsdp rows' command in two, w8a8's commands are int8's with the other mode, and lookup
+    decodes the graphs row's compiled command with --draft=lookup."""
     gpu_check = load_script()
 
     def must(ctx, command, env=None, cwd=None, text_path=None):
@@ -163,7 +163,8 @@ def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
         if text_path:  # sample.py
             with open(text_path, "w") as f:
                 f.write("ROMEO: the king")
-            return "64 tokens in 1.00 s (64.0 tokens/s; 70.0 after the first 8)"
+            return "64 tokens in 1.00 s (64.0 tokens/s; 70.0 after the first 8)" + (
+                ", draft acceptance rate 50.0% (20/40)" if any(arg.startswith("--draft=") for arg in command) else "")
         os.makedirs(options["out_dir"], exist_ok=True)
         with open(os.path.join(options["out_dir"], "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(dict(iter=i, loss=loss, ms_per_iter=10.0, tokens_per_sec=1e4)) + "\n"
@@ -178,7 +179,7 @@ def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
                           cuda=False, kind="cpu", one_card={}, iters=ITERS, results={}, commands=[], texts={},
                           args=SimpleNamespace(tiny=True), log=str(tmp_path / "log.txt"))
     rows, row_function = {}, {name: function for name, _, function in gpu_check.ROWS}
-    for name in ["ddp", "fsdp", "resume_ddp", "resume_fsdp", "int8", "w8a8"]:
+    for name in ["ddp", "fsdp", "resume_ddp", "resume_fsdp", "int8", "w8a8", "graphs", "lookup"]:
         ctx.commands = []
         figures, _ = row_function[name](ctx)
         ctx.results[name] = dict(status="PASS", figures=figures)
@@ -188,6 +189,9 @@ def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
         assert rows[name]["figures"]["largest_difference"] == 0
     assert [c.replace("--quantize=int8", "--quantize=w8a8") for c in rows["int8"]["commands"]] == rows["w8a8"]["commands"]
     assert rows["w8a8"]["commands"][1].endswith("--quantize=w8a8 --compile=True")
+    assert rows["lookup"]["commands"] == [rows["graphs"]["commands"][1].replace("--compile=True",
+                                                                              "--draft=lookup --compile=True")]
+    assert (rows["lookup"]["figures"]["accepted"], rows["lookup"]["figures"]["proposed"]) == (20, 40)
 
 
 def test_the_summary_is_printed_saved_and_says_these_are_not_gpu_figures(check):
