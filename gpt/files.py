@@ -7,11 +7,6 @@ import os
 
 from gpt import UserError
 
-try:
-    import fcntl  # POSIX; Windows has no flock, and there lock_folder locks nothing
-except ImportError:
-    fcntl = None
-
 # what to do once a write in a run's out_dir failed: ckpt.pt is never cut short
 RESUME = ("; the last checkpoint this run saved, if any, is whole: free some space and continue from it with "
           "--init_from=resume")
@@ -62,14 +57,12 @@ def lock_folder(folder, holder):
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
-        if fcntl:
+        with contextlib.suppress(ImportError):  # POSIX only: Windows has no fcntl, and there nothing is locked
+            import fcntl
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        pid = f.read().strip() or "unknown"  # "unknown": the holder has not written it yet
-        f.close()
-        raise UserError(f"{folder} is in use by another {holder} (process {pid}); let it finish or stop it, or use "
-                        "another --out_dir") from None
+        from gpt.hints import folder_in_use  # imported only on the error, as every hint
+        raise UserError(folder_in_use(folder, holder, f)) from None
     except OSError as e:
         raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
     f.truncate(0)
@@ -88,9 +81,8 @@ class RunDir:
         self.lock = lock_folder(self.out_dir, "training run")  # before anything in out_dir is read or written
         if settings["init_from"] != "resume" and os.path.exists(self.ckpt_path) and not settings["overwrite"]:
             self.close()
-            raise UserError(f"{self.ckpt_path} holds an earlier run, which a run from {settings['init_from']} would "
-                            "replace; continue it with --init_from=resume, train into another --out_dir, or replace "
-                            "it with --overwrite")
+            from gpt.hints import overwrite_refused
+            raise UserError(overwrite_refused(self.ckpt_path, settings["init_from"]))
 
     def start(self, settings, resumed_iter):
         """A resumed run (from iteration resumed_iter) continues the log; any other removes the earlier run's files."""

@@ -1,6 +1,7 @@
 """
 What error messages suggest: the setting or file meant by a misspelt one, the command that makes a missing file (a
-dataset's prepare script, the train.py run that writes a checkpoint). Imported only when such an error is raised.
+dataset's prepare script, the train.py run that writes a checkpoint), what to do with an out_dir that is taken. Imported
+only when such an error is raised, so that the default run does not read them.
 """
 
 import difflib
@@ -89,6 +90,19 @@ def train_command(path, config=None, extra=""):
     if os.path.basename(path) != "ckpt.pt":
         command += f", which writes {os.path.join(out_dir, 'ckpt.pt')}: load that"
     return command
+
+
+def folder_in_use(folder, holder, lock_file):
+    """Why a folder whose lock another process holds cannot be used: its pid, read from the lock file (then closed)."""
+    lock_file.seek(0)
+    pid = lock_file.read().strip() or "unknown"  # "unknown": the holder has not written it yet
+    lock_file.close()
+    return f"{folder} is in use by another {holder} (process {pid}); let it finish or stop it, or use another --out_dir"
+
+
+def overwrite_refused(ckpt_path, init_from):
+    return (f"{ckpt_path} holds an earlier run, which a run from {init_from} would replace; continue it with "
+            "--init_from=resume, train into another --out_dir, or replace it with --overwrite")
 
 
 def config_for(out_dir):
