@@ -46,3 +46,9 @@ def device_peak_flops(ptdtype, say):
         say(f"no MFU: the peak FLOP/s of {gpu} in {str(ptdtype)[6:]} is not in gpt/mfu.py's PEAK_FLOPS; pass "
               "--peak_flops=<its dense FLOP/s> to see MFU")
     return peak
+
+
+def peak_tokens_per_sec(model, settings, ptdtype, world_size, say):
+    """train.py's tokens/s over all processes at the hardware's peak (--peak_flops, else this GPU's), or None."""
+    peak = settings["peak_flops"] or device_peak_flops(ptdtype, say)
+    return peak and peak * world_size / flops_per_token(model, settings["block_size"])
