@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 
 import torch
 import torch.distributed as dist
@@ -263,8 +263,8 @@ def train(settings, run_dir):
         config = GPTConfig(**checkpoint["model_config"])
     elif settings["init_from"].startswith("hf:"):
         from gpt.checkpoint import load_pretrained
-        pretrained = load_pretrained(settings["init_from"][3:], meta)
-        config = replace(pretrained.config, dropout=settings["dropout"])
+        pretrained = load_pretrained(settings["init_from"][3:], meta, settings["dropout"])
+        config = pretrained.config
     else:
         vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)
         try:
@@ -274,9 +274,7 @@ def train(settings, run_dir):
     if settings["block_size"] > config.block_size:
         raise UserError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
     torch.manual_seed(settings["seed"])  # the same initialization on every process, before any weights are loaded
-    raw_model = GPT(config)  # on the CPU; its parameters and parts
-    if pretrained is not None:
-        raw_model.load_state_dict(pretrained.state_dict())
+    raw_model = GPT(config) if pretrained is None else pretrained  # on the CPU; its parameters and parts
     if checkpoint is not None:
         from gpt.checkpoint import load_weights
         load_weights(raw_model, checkpoint["model"], ckpt_path)  # one that model.py was edited since names the misfits
@@ -284,12 +282,10 @@ def train(settings, run_dir):
     tasks = None  # lm-eval's tasks, run at each evaluation too (gpt/harness.py)
     if settings["eval_tasks"].strip(" ,"):
         try:
-            from gpt import harness  # lm-eval is optional: only tasks need it
+            from gpt.harness import task_runner  # lm-eval is optional: only tasks need it
         except ImportError:
-            raise UserError("eval_tasks needs lm-eval, which is not installed; install it with: pip install "
-                            "lm-eval") from None
-        tasks = harness.task_runner(settings["eval_tasks"], settings["eval_tasks_include_path"] or None,
-                                    settings["eval_tasks_limit"], settings["batch_size"], meta)
+            raise UserError("eval_tasks needs lm-eval, which is not installed: pip install lm-eval") from None
+        tasks = task_runner(settings, meta)
     model, backend = raw_model.to(device), compile_backend(settings["compile"], device_type)  # model: what steps call
     if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():
         from gpt.parallel import prepare  # compiled, and checkpointed, sharded or wrapped in DDP, in that order
@@ -317,8 +313,7 @@ def train(settings, run_dir):
     peak_tokens_per_sec = None  # tokens/s at the hardware's peak FLOP/s, for MFU, where that peak is known (gpt/mfu.py)
     if settings["peak_flops"] or device_type == "cuda":
         from gpt import mfu
-        peak = settings["peak_flops"] or mfu.device_peak_flops(ptdtype, log.say)
-        peak_tokens_per_sec = peak and peak * world_size / mfu.flops_per_token(raw_model, settings["block_size"])
+        peak_tokens_per_sec = mfu.peak_tokens_per_sec(raw_model, settings, ptdtype, world_size, log.say)
     timer = StepTimer(device_type, tokens_per_iter, elapsed, peak_tokens_per_sec)
     stop_signal = []  # SIGINT and SIGTERM, from now on: the loop saves a checkpoint and stops at the next iteration
 

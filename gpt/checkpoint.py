@@ -8,6 +8,7 @@ one-line message everywhere.
 
 import io
 import os
+from dataclasses import replace
 
 import torch
 
@@ -70,13 +71,14 @@ def size(tensor):
     return "x".join(map(str, tensor.shape)) or "scalar"
 
 
-def load_hf(folder):
+def load_hf(folder, dropout=None):
     """The GPT (fp32, on the CPU) of a local Hugging Face Llama or Qwen3 folder, which gpt/hf.py reads, and its
-    tokenizer's meta dict (None when the folder has no tokenizer.json)."""
+    tokenizer's meta dict (None when the folder has no tokenizer.json). dropout: a fine-tuning run's (else the
+    folder's config's)."""
     from gpt.hf import read_hf  # Hugging Face's format: only this path needs it
 
     config, state, weights, meta = read_hf(folder)
-    model = GPT(config)
+    model = GPT(config if dropout is None else replace(config, dropout=dropout))
     load_weights(model, state, weights, config_file="config.json")
     return model, meta
 
@@ -108,10 +110,10 @@ def load_model(source, device="cpu", dtype=torch.float32, init_from="resume"):
     return model.to(device=device, dtype=dtype).eval(), meta, dataset
 
 
-def load_pretrained(folder, meta):
-    """The model of a Hugging Face folder to fine-tune (train.py's init_from="hf:folder"); its tokenizer must be the
-    data's (meta)."""
-    model, model_meta = load_hf(folder)
+def load_pretrained(folder, meta, dropout):
+    """The model of a Hugging Face folder to fine-tune (train.py's init_from="hf:folder") with the run's dropout; its
+    tokenizer must be the data's (meta)."""
+    model, model_meta = load_hf(folder, dropout)
     if model_meta is not None and model_meta != meta:
         raise UserError(f"the model in {folder} has another tokenizer ({model_meta['tokenizer']}, "
                         f"{model_meta['vocab_size']} tokens) than the dataset ({meta['tokenizer']}, {meta['vocab_size']} "

@@ -162,14 +162,16 @@ def task_names(text):
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
-def task_runner(tasks, include_path, limit, batch_size, meta):
-    """For train.py's eval_tasks: a function from the model and an autocast context to {"task/metric": value}. The
-    task names are checked now, not at the first evaluation. Every process runs the tasks on its own unwrapped
-    model (no collective that could hang while rank 0 alone evaluates); lm-eval returns results on rank 0 only."""
+def task_runner(settings, meta):
+    """For train.py's eval_tasks (with its eval_tasks_* and batch_size settings): a function from the model and an
+    autocast context to {"task/metric": value}. The task names are checked now, not at the first evaluation. Every
+    process runs the tasks on its own unwrapped model (no collective that could hang while rank 0 alone evaluates);
+    lm-eval returns results on rank 0 only."""
     from gpt.parallel import whole_root  # the model's root parameters, gathered under FSDP
     from gpt.tokenizer import Tokenizer
 
-    names, tokenizer = task_names(tasks), Tokenizer(meta)
+    names, tokenizer = task_names(settings["eval_tasks"]), Tokenizer(meta)
+    include_path = settings["eval_tasks_include_path"] or None
     try:
         manager = task_manager(names, include_path)
         check_tasks(names, manager, include_path)
@@ -179,7 +181,8 @@ def task_runner(tasks, include_path, limit, batch_size, meta):
     def run(model, autocast):
         try:
             with autocast, whole_root(model):
-                results = run_tasks(model, tokenizer, names, limit=limit, batch_size=batch_size, manager=manager)
+                results = run_tasks(model, tokenizer, names, limit=settings["eval_tasks_limit"],
+                                    batch_size=settings["batch_size"], manager=manager)
         except UserError as e:
             raise UserError(f"eval_tasks: {e}") from None
         finally:
