@@ -21,9 +21,8 @@ def cpu_counters():
 
 
 class SharedCpu:
-    def __init__(self, threads=0, choose="pass --threads=N"):
-        if threads:
-            torch.set_num_threads(threads)
+    def __init__(self, threads=0, choose="pass --threads=N"):  # threads: the user's count (0: the cores left free)
+        torch.set_num_threads(threads or torch.get_num_threads())  # the same count again is a no-op
         self.most, self.cores, self.choose, self.said = torch.get_num_threads(), os.cpu_count(), choose, False
         fixed = threads > 0 or "OMP_NUM_THREADS" in os.environ or self.most <= 1  # one thread: none to take away
         self.last, self.span, self.look_ends = None if fixed else cpu_counters(), LOOK_SECONDS, time.monotonic()
