@@ -5,7 +5,6 @@ the default's type (`--max_iters=1e5` is the int 100000); anything wrong is a on
 
 import ast
 import sys
-import traceback
 import types
 
 from gpt import UserError
@@ -78,11 +77,8 @@ def _run_config_file(path):
     namespace = {}
     try:
         exec(compile(source, path, "exec"), namespace)
-    except SyntaxError as e:
-        raise UserError(f"{path}, line {e.lineno}: SyntaxError: {e.msg}") from None
-    except Exception as e:
-        # the innermost line of the config file itself, even if the error came from something it called
-        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == path]
-        raise UserError(f"{path}, line {lines[-1]}: {type(e).__name__}: {e}") from None
+    except Exception as e:  # a SyntaxError, or an error running it
+        from gpt.hints import config_file_error
+        raise UserError(config_file_error(path, e)) from None
     return {name: value for name, value in namespace.items()
             if not name.startswith("_") and not isinstance(value, types.ModuleType) and not callable(value)}

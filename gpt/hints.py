@@ -9,6 +9,7 @@ import glob
 import os
 import re
 import shlex
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DATA_ROOT = os.path.join(ROOT, "data")
@@ -27,6 +28,15 @@ def did_you_mean(word, options):
 def config_file_hint(path):
     """did_you_mean for a config file that cannot be read, among config/*.py (the working directory's)."""
     return did_you_mean(path, glob.glob("config/*.py"))
+
+
+def config_file_error(path, error):
+    """A config file's error as "path, line N: Kind: message": for an error raised while it ran, the innermost line of
+    the file itself, even if the error came from something it called."""
+    if isinstance(error, SyntaxError):
+        return f"{path}, line {error.lineno}: SyntaxError: {error.msg}"
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == path]
+    return f"{path}, line {lines[-1]}: {type(error).__name__}: {error}"
 
 
 def prepare_script(name):
@@ -49,6 +59,13 @@ def prepare_command(data_dir):
 def rerun(data_dir):
     command = prepare_command(data_dir)
     return f"re-run `{command}`" if command else "re-run the prepare script that wrote it"
+
+
+def missing_shards(data_dir):
+    """What to do about a dataset folder without a split's shards: the command that writes them, if there is one."""
+    command = prepare_command(data_dir)
+    return f"prepare them with `{command}`" if command else ("write them with a prepare script's --out_dir "
+                                                             "(data/README.md)")
 
 
 def datasets_hint(data_dir):

@@ -64,10 +64,8 @@ def find_shards(data_dir, split):
     require_dir(data_dir)
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.bin")))
     if not paths:
-        from gpt.hints import prepare_command
-        command = prepare_command(data_dir)
-        how = f"prepare them with `{command}`" if command else "write them with a prepare script's --out_dir (data/README.md)"
-        raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {how}")
+        from gpt.hints import missing_shards
+        raise UserError(f"no {split} shards (*_{split}_*.bin) in {data_dir}; {missing_shards(data_dir)}")
     return paths
 
 
