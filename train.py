@@ -91,9 +91,8 @@ def check_settings(settings):
     """settings, once every value that would fail deep inside the run (in numpy, torch, a division) is known good."""
     init_from = settings["init_from"]
     if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
-        gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a "
-                "Llama or Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
-        raise UserError(f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}")
+        from gpt.hints import bad_init_from  # nanoGPT's init_from=gpt2* gets a line of its own
+        raise UserError(bad_init_from(init_from))
     for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
                 "gradient_accumulation_steps"):
         if settings[key] < 1:

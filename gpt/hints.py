@@ -30,6 +30,12 @@ def config_file_hint(path):
     return did_you_mean(path, glob.glob("config/*.py"))
 
 
+def bad_init_from(init_from):
+    gpt2 = ("; GPT-2's own weights are another architecture (learned positions, LayerNorm, GELU), hf: loads a Llama or "
+            "Qwen3 folder (docs/interop.md)") if init_from.startswith("gpt2") else ""
+    return f"init_from must be scratch, resume or hf:path/to/folder, got {init_from!r}{gpt2}"
+
+
 def config_file_error(path, error):
     """A config file's error as "path, line N: Kind: message": for an error raised while it ran, the innermost line of
     the file itself, even if the error came from something it called."""
