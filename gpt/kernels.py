@@ -92,6 +92,25 @@ def reduction_linear(x, weight, bias):
     return y.view(*x.shape[:-1], weight.size(0))
 
 
+def int8_words_linear(x, weight, bias):
+    """reduction_linear for int8 weights read four at a time, as int32 words, each weight sign-extended from its byte
+    by two shifts: compiled (COMPILED_ONLY), inductor's loop then loads whole vectors of weights. Its own load of a
+    float vector's worth of int8 weights (8 on AVX2) copies them through memory first where the CPU has no masked
+    byte loads (AVX2): 4-15x slower than float32 weights there (bench/RESULTS.md); with AVX-512 that load is fast."""
+    if weight.dtype != torch.int8 or weight.size(-1) % 4 or sys.byteorder != "little":
+        raise RuntimeError("int8 words take int8 weights of a width divisible by 4, on a little-endian CPU")
+    rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
+    words = weight.view(torch.int32)  # (out, in/4): word j holds weight[:, 4j + b] in its byte b
+    parts = rows.unflatten(1, (-1, 4)).transpose(1, 2).contiguous()  # (M, 4, in/4): parts[:, b, j] = rows[:, 4j + b]
+    if torch.compiler.is_compiling():
+        parts = computed_first(parts)  # as in reduction_linear: made once, before the loop
+    weights = [((words << (24 - 8 * b)) >> 24).to(rows.dtype) for b in range(4)]  # byte b of each word, sign-extended
+    y = torch.stack([sum((part[b] * weights[b]).sum(-1) for b in range(4)) for part in parts])  # (M, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.size(0))
+
+
 # (address, shape, dtype) -> (weight, packed copy) until decode_linears ends; held, the weight's address is not reused
 packed_weights = {}
 
@@ -168,9 +187,9 @@ def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
 
 
 KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
-           "reduction": reduction_linear, "onednn-packed": packed_onednn_linear, "int8pack": int8pack_linear,
-           "onednn-int8": onednn_int8_linear, "int-mm": int_mm_linear}
-COMPILED_ONLY = ("reduction",)  # eager, it would hold x * W whole
+           "reduction": reduction_linear, "int8-words": int8_words_linear, "onednn-packed": packed_onednn_linear,
+           "int8pack": int8pack_linear, "onednn-int8": onednn_int8_linear, "int-mm": int_mm_linear}
+COMPILED_ONLY = ("reduction", "int8-words")  # eager, they would hold x * W whole
 COPIES_WEIGHTS = ("onednn-packed", "onednn-int8")  # candidates only where a second copy of the weights fits
 
 choices = {}  # (rows, dtype, shapes) -> kernel name, this process's; kernels.json keeps them between runs

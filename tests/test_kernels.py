@@ -42,7 +42,7 @@ def linears_of(model):
     return [m for m in model.modules() if kernels.is_decode_linear(m)]
 
 
-INT8_ONLY, FLOAT_ONLY = ("int8pack",), ("onednn-packed",)  # the kernels that take one kind of weight
+INT8_ONLY, FLOAT_ONLY = ("int8pack", "int8-words"), ("onednn-packed",)  # the kernels that take one kind of weight
 INT8_ROWS = ("onednn-int8", "int-mm")  # the kernels for int8 rows (a W8A8Linear's) and int8 weights only
 ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
 
@@ -90,7 +90,7 @@ def test_a_kernel_for_one_kind_of_weight_is_no_candidate_for_the_other(name, wei
     assert name not in kernels.usable_kernels(layer, 1, compiled=False)
 
 
-@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction"))
+@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction", "int8-words"))
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
     """int8 rows times int8 weights, every sum exact, the largest ones too (rows of +-127 against a weight row of 127:
@@ -456,6 +456,27 @@ def test_the_reduction_compiled_after_a_norm_computes_the_product_of_the_normed_
 
     with torch.inference_mode():
         torch.testing.assert_close(torch.compile(normed_product, dynamic=False)(x), layer(norm(x)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_words_compiled_read_every_weight_from_its_byte_with_its_sign(rows):
+    """int8-words reads four weights from each int32 word: compiled (real inductor), each weight's sign and place must
+    come back, -128 and 127 included, for float rows and int8 rows (w8a8's exact sums); a width not divisible by 4 has
+    no whole words and is refused, so that measuring drops the kernel for that model."""
+    torch.manual_seed(0)
+    weight = torch.randint(-128, 128, (40, 32), dtype=torch.int8)
+    weight[0, :4] = torch.tensor([-128, 127, -1, 1], dtype=torch.int8)  # every byte of the first word at an edge
+    compiled = torch.compile(kernels.int8_words_linear, dynamic=False)
+    for x in (torch.randn(rows, 1, 32), torch.randint(-127, 128, (rows, 1, 32), dtype=torch.int8)):
+        with torch.inference_mode():
+            actual = compiled(x, weight, None)
+        expected = x.double() @ weight.double().T
+        if x.dtype == torch.int8:
+            assert torch.equal(actual.double(), expected)
+        else:
+            torch.testing.assert_close(actual.double(), expected, atol=1e-4, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="divisible by 4"):
+        kernels.int8_words_linear(torch.randn(1, 30), weight[:, :30], None)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
