@@ -32,7 +32,7 @@ ITERS = 12  # --tiny's
 # lookup eager's in tests/test_sample.py.
 LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8", "lookup"]
 # The whole check's rows side by side where none reads another's (--jobs): each row still runs all its commands, they
-# only share the machine. Of its ~25 commands (each a fresh process importing torch, two compiling a decode step),
+# only share the machine. Of its ~20 commands (each a fresh process importing torch, two compiling a decode step),
 # three at a time keep two cores busy
 JOBS = "--jobs=3"
 SCRIPTS = ("train.py", "sample.py", "eval.py")
