@@ -97,8 +97,10 @@ def int8_words_linear(x, weight, bias):
     by two shifts: compiled (COMPILED_ONLY), inductor's loop then loads whole vectors of weights. Its own load of a
     float vector's worth of int8 weights (8 on AVX2) copies them through memory first where the CPU has no masked
     byte loads (AVX2): 4-15x slower than float32 weights there (bench/RESULTS.md); with AVX-512 that load is fast."""
-    if weight.dtype != torch.int8 or weight.size(-1) % 4 or sys.byteorder != "little":
-        raise RuntimeError("int8 words take int8 weights of a width divisible by 4, on a little-endian CPU")
+    if weight.dtype != torch.int8 or sys.byteorder != "little":
+        raise RuntimeError("int8 words take int8 weights, on a little-endian CPU")
+    if weight.size(-1) % 4 or weight.storage_offset() % 4:  # no whole words (mlp_hidden=50): a weight at a time
+        return reduction_linear(x, weight, bias)
     rows = float_rows(x).reshape(-1, x.size(-1))  # (M, in)
     words = weight.view(torch.int32)  # (out, in/4): word j holds weight[:, 4j + b] in its byte b
     parts = rows.unflatten(1, (-1, 4)).transpose(1, 2).contiguous()  # (M, 4, in/4): parts[:, b, j] = rows[:, 4j + b]
