@@ -303,7 +303,9 @@ def train(settings, run_dir):
                                                           loader, scaler)
         log.say("\n".join(resume.resume_report(checkpoint, settings, DEFAULTS, lr_multiplier)))
     if run_dir:
-        run_dir.start(settings, resumed_at)
+        run_dir.start(settings, resumed=checkpoint is not None)
+        if checkpoint:  # the log goes on from the checkpoint: records a lost run logged after it go
+            resume.keep_records_until(run_dir.log_path, resumed_at)
     if cpu and (note_on_cpu := cpu.check()):  # the first look's end: torch's threads set before the first step
         log.say(note_on_cpu)
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size

@@ -84,18 +84,16 @@ class RunDir:
             from gpt.hints import overwrite_refused
             raise UserError(overwrite_refused(self.ckpt_path, settings["init_from"]))
 
-    def start(self, settings, resumed_iter):
-        """A resumed run (from iteration resumed_iter) continues the log; any other removes the earlier run's files."""
+    def start(self, settings, resumed):
+        """A resumed run continues the log (gpt/resume.py cuts it back to the checkpoint); any other removes the earlier
+        run's files."""
         if settings["wandb_log"]:  # imported before anything is removed
             try:
                 import wandb
             except ImportError:
                 raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
                                 "(or drop --wandb_log)") from None
-        if resumed_iter is not None:
-            from gpt.resume import keep_records_until
-            keep_records_until(self.log_path, resumed_iter)
-        else:
+        if not resumed:
             if os.path.exists(self.ckpt_path):
                 print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
             for path in (self.ckpt_path, self.log_path):
