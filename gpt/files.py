@@ -61,8 +61,9 @@ def lock_folder(folder, holder):
             import fcntl
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        f.close()
         from gpt.hints import folder_in_use  # imported only on the error, as every hint
-        raise UserError(folder_in_use(folder, holder, f)) from None
+        raise UserError(folder_in_use(folder, holder)) from None
     except OSError as e:
         raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
     f.truncate(0)

@@ -115,11 +115,10 @@ def train_command(path, config=None, extra=""):
     return command
 
 
-def folder_in_use(folder, holder, lock_file):
-    """Why a folder whose lock another process holds cannot be used: its pid, read from the lock file (then closed)."""
-    lock_file.seek(0)
-    pid = lock_file.read().strip() or "unknown"  # "unknown": the holder has not written it yet
-    lock_file.close()
+def folder_in_use(folder, holder):
+    """Why a folder whose lock another process holds cannot be used: that process, whose pid is in its lock file."""
+    with open(os.path.join(folder, "lock")) as f:
+        pid = f.read().strip() or "unknown"  # "unknown": the holder has not written it yet
     return f"{folder} is in use by another {holder} (process {pid}); let it finish or stop it, or use another --out_dir"
 
 
