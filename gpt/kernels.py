@@ -96,7 +96,7 @@ def int8_words_linear(x, weight, bias):
     """reduction_linear for int8 weights read four at a time, as int32 words, each weight sign-extended from its byte
     by two shifts: compiled (COMPILED_ONLY), inductor's loop then loads whole vectors of weights. Its own load of a
     float vector's worth of int8 weights (8 on AVX2) copies them through memory first where the CPU has no masked
-    byte loads (AVX2): 4-15x slower than float32 weights there (bench/RESULTS.md); with AVX-512 that load is fast."""
+    byte loads (AVX2): 4x slower than float32 weights there (bench/RESULTS.md); with AVX-512 that load is fast."""
     if weight.dtype != torch.int8 or sys.byteorder != "little":
         raise RuntimeError("int8 words take int8 weights, on a little-endian CPU")
     if weight.size(-1) % 4 or weight.storage_offset() % 4:  # no whole words (mlp_hidden=50): a weight at a time
