@@ -145,7 +145,7 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
         # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not. A per-head term in the scores (a bias,
         # ALiBi's slopes) must follow the regrouping: here query head h is row h % group of kv group h // group.
-        return y.view(B, n_head, 1, head_dim)
+        return y.reshape(B, n_head, 1, head_dim)  # a copy only where a kernel's output has other strides
     gqa = n_head != n_kv_head
     if gqa:
         from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gpt.sampling import sample_next_token, sampling_probs
 from model import GPT, GPTConfig, KVCache, Positions, attention, rope
@@ -228,6 +229,35 @@ def test_static_shape_path_equals_the_growing_cache(kind, device):
         # the mask matters: positions one further on see one more key, and give other logits
         shifted = model(other[:, 2:3], kv_cache=static, input_pos=torch.tensor([13], device=device))[0]
         assert (shifted - expected).abs().max() > 1e-3
+
+
+class SdpaOutputTransposed(TorchDispatchMode):
+    """SDPA's CPU kernel giving its output (B, H, T, hd) in (B, T, H, hd) memory, the layout CUDA's memory-efficient
+    kernel returns: the same values, other strides (a view across H and T then fails, as it did on an H100 without
+    cuDNN's kernel)."""
+    hits = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+            SdpaOutputTransposed.hits += 1
+            return (out[0].transpose(1, 2).contiguous().transpose(1, 2), *out[1:])
+        return out
+
+
+def test_one_token_attention_takes_any_layout_of_sdpa_output():
+    model = tiny_model(n_kv_head=2)
+    idx = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(idx)[0][:, -1]
+        SdpaOutputTransposed.hits = 0
+        for static in (False, True):
+            cache = model.new_kv_cache(2, 12, static=static)
+            model(idx[:, :-1], kv_cache=cache, input_pos=torch.arange(8) if static else None)
+            with SdpaOutputTransposed():
+                actual = model(idx[:, -1:], kv_cache=cache, input_pos=torch.tensor([8]) if static else None)[0][:, -1]
+            assert (actual - expected).abs().max() < 1e-5
+        assert SdpaOutputTransposed.hits == 2 * model.config.n_layer  # the layout came from every one-token step
 
 
 def test_static_decode_step_compiles_once(device):
