@@ -98,23 +98,31 @@ def dropout(config):  # no dropout, no module that dispatches an op doing nothin
 
 
 class Positions:
-    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers;
-    and key_tokens (B, S), the token id at each position attention reads (the tokens themselves, or the cache's);
-    newest: whether the tokens are the last of the keys attention reads (a growing cache's, or no cache)."""
+    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers
+    (indexed in table, a KV cache's rotary, where one is given); key_tokens (B, S), the token id at each position
+    attention reads (the tokens themselves, or the cache's); newest: whether the tokens are the last of the keys
+    attention reads (a growing cache's, or no cache); mask: the one all layers share, once attention builds it."""
 
-    def __init__(self, ids, head_dim, base, key_tokens=None, newest=False):
-        self.ids, self.key_tokens, self.newest = ids, key_tokens, newest
-        inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
-        angles = (ids[:, None] * inv_freq).repeat(1, 2)[:, None, :]  # (T, 1, hd): pair i's angle at i and i + hd/2
-        self.cos, self.sin = angles.cos(), angles.sin()  # fp32 even under bf16 autocast: long contexts need it
+    def __init__(self, ids, head_dim, base, key_tokens=None, newest=False, table=None):
+        self.ids, self.key_tokens, self.newest, self.mask = ids, key_tokens, newest, None
+        self.cos, self.sin = rotary_table(ids, head_dim, base) if table is None else (table[0][ids], table[1][ids])
+
+
+def rotary_table(ids, head_dim, base):
+    """RoPE's cos and sin (T, 1, hd) at positions ids (T,): pair i's angle p * base^(-2i/hd) at i and i + hd/2, the
+    sin's first half negated for rope. fp32 even under bf16 autocast: long contexts need it."""
+    inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
+    angles = (ids[:, None] * inv_freq)[:, None, :]  # (T, 1, hd/2)
+    sin = angles.sin()
+    return angles.cos().repeat(1, 1, 2), torch.cat((-sin, sin), dim=-1)
 
 
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
-    position: x cos + rotate_half(x) sin, where rotate_half(x) = (-x[i + hd/2], x[i])."""
-    x32 = in_dtype(x, torch.float32)  # (B, T, h, hd)
-    x1, x2 = x32.chunk(2, dim=-1)
-    return in_dtype(torch.addcmul(x32 * positions.cos, torch.cat((-x2, x1), dim=-1), positions.sin), x.dtype)
+    position: x cos + rotate_half(x) sin, where rotate_half(x) = (-x[i + hd/2], x[i]), computed as the halves
+    swapped times the signed sin. In fp32: the first product and addcmul upcast a 16-bit x inside their kernels."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return in_dtype(torch.addcmul(x * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin), x.dtype)
 
 
 def can_attend(query_pos, key_pos, config, layer, tokens):
@@ -138,8 +146,11 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
     plain_causal = config.window == 0  # the rule of can_attend here: a rule edited to hide more joins this condition
     causal = plain_causal and T == S  # a whole sequence: is_causal
     sees_all = plain_causal and T == 1 and positions.newest  # one token after its growing cache
-    mask = None if causal or sees_all else can_attend(positions.ids[:, None], torch.arange(S, device=q.device), config,
-                                                      layer, positions.key_tokens)  # (T, S), or (B, 1, T, S)
+    shared = plain_causal and positions.mask is not None  # key <= query in every layer: the first layer's mask
+    mask = None if causal or sees_all else positions.mask if shared else can_attend(  # (T, S), or (B, 1, T, S)
+        positions.ids[:, None], torch.arange(S, device=q.device), config, layer, positions.key_tokens)
+    if plain_causal and mask is not None and not shared:  # kept for the other layers, in the form SDPA adds it
+        mask = positions.mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
@@ -159,14 +170,17 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
 
 
 class KVCache:
-    """Keys and values of every layer (n_kv_head heads only) for max_len positions, position p in slot p. A growing
-    cache counts its positions (pos); a static one is written at given input_pos and read whole (torch.compile)."""
+    """Keys and values of every layer (n_kv_head heads only) for max_len positions, position p in slot p, and RoPE's
+    cos and sin at each (rotary: a decode step indexes them). A growing cache counts its positions (pos); a static one
+    is written at given input_pos and read whole (torch.compile)."""
 
-    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False):
+    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False,
+                 rope_base=10000.0):
         shape = (n_layer, batch_size, n_kv_head, max_len, head_dim)
         self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # each slot's token id
         self.layer_ids = torch.arange(n_layer, device=device)  # indices as a tensor: see update
+        self.rotary = rotary_table(torch.arange(max_len, device=device), head_dim, rope_base)  # (max_len, 1, hd) each
         self.max_len, self.static = max_len, static
         self.pos = 0  # how many positions are filled; the next token goes here
 
@@ -313,7 +327,8 @@ class GPT(nn.Module):
                              f"overflow: {start} cached + {T} new tokens > max_len {end}; make a larger new_kv_cache")
         ids = torch.arange(start, start + T, device=idx.device) if input_pos is None else input_pos
         key_tokens = idx if kv_cache is None else kv_cache.update_tokens(idx, ids)  # (B, S)
-        return Positions(ids, self.config.head_dim, self.config.rope_base, key_tokens, newest=input_pos is None)
+        return Positions(ids, self.config.head_dim, self.config.rope_base, key_tokens, newest=input_pos is None,
+                         table=None if kv_cache is None else kv_cache.rotary)
 
     def forward(self, idx, targets=None, kv_cache=None, input_pos=None, loss_chunk=0):
         """Logits (B, T, vocab_size) of the tokens idx (B, T), and their mean cross-entropy against targets (B, T;
@@ -342,7 +357,8 @@ class GPT(nn.Module):
                              f">= 1, got {max_len} and {batch_size}")
         param = self.embed_tokens.weight  # the head may be quantized (gpt/quantize.py) and hold no .weight
         return KVCache(self.config.n_layer, batch_size, self.config.n_kv_head, max_len, self.config.head_dim,
-                       device=device or param.device, dtype=dtype or param.dtype, static=static)
+                       device=device or param.device, dtype=dtype or param.dtype, static=static,
+                       rope_base=self.config.rope_base)
 
     @torch.inference_mode()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None):

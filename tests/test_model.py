@@ -231,6 +231,25 @@ def test_static_shape_path_equals_the_growing_cache(kind, device):
         assert (shifted - expected).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_the_mask_is_built_once_per_forward_where_every_layer_shares_it(window, monkeypatch):
+    """With no window the rule is key <= query in every layer: a static cache's step asks can_attend once and every
+    layer reads that mask; with a window (which an edit may make per layer) each layer asks. Same logits either way."""
+    import model as model_py
+    model = tiny_model(n_layer=3, window=window)
+    idx = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(0))
+    asked, rule = [], model_py.can_attend
+    monkeypatch.setattr(model_py, "can_attend", lambda *args: asked.append(args[3]) or rule(*args))
+    with torch.no_grad():
+        expected = model(idx)[0][:, -3:]
+        cache = model.new_kv_cache(1, 12, static=True)
+        model(idx[:, :6], kv_cache=cache, input_pos=torch.arange(6))
+        asked.clear()
+        chunk = model(idx[:, 6:], kv_cache=cache, input_pos=torch.arange(6, 9))[0]
+    assert asked == ([0] if window == 0 else [0, 1, 2])
+    assert (chunk - expected).abs().max() < 1e-5
+
+
 class SdpaOutputTransposed(TorchDispatchMode):
     """SDPA's CPU kernel giving its output (B, H, T, hd) in (B, T, H, hd) memory, the layout CUDA's memory-efficient
     kernel returns: the same values, other strides (a view across H and T then fails, as it did on an H100 without
