@@ -9,7 +9,15 @@ v (n_head heads, no enable_gqa) go to a fused kernel instead. tests/test_sdpa_ke
 each card and dtype and where it was read from.
 """
 
+import contextlib
+
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# One token after a growing KV cache reads a key length new at every step, and cuDNN's kernel builds an execution
+# plan for each new length: eager decoding at the 124M shape on an H100 (torch 2.11) ran 19 tokens/s with it, 140
+# without (bench/RESULTS.md). torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 is opt-in; SDPA's other kernels need no plan.
+NEW_KEY_LENGTH_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def takes_gqa(q, masked):
@@ -37,3 +45,9 @@ def sdpa_fuses_gqa(device_type, capability, dtype, masked, head_dim):
     # sm86/89/120 refuses head_dim 193..224, and 225..256 with dropout: above 192, k and v are repeated on every card.
     return (capability is not None and (8, 0) <= capability <= (12, 1) and dtype in (torch.float16, torch.bfloat16)
             and not masked and head_dim <= 192)
+
+
+def one_token_kernels(q, growing):
+    """The SDPA kernels for one new token's queries q: without cuDNN's on CUDA after a growing cache (growing: a new
+    key length every step), else SDPA's own choice (a static cache's length stays, and cuDNN's is fastest there)."""
+    return sdpa_kernel(NEW_KEY_LENGTH_KERNELS) if growing and q.is_cuda else contextlib.nullcontext()

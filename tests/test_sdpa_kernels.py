@@ -201,3 +201,28 @@ def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
             torch.testing.assert_close(compiled(*args), model_py.attention(*args))
     finally:
         torch._dynamo.reset()
+
+
+def test_one_token_after_a_growing_cache_leaves_out_cudnns_kernel(monkeypatch):
+    """cuDNN's SDPA kernel builds a plan for each new key length (7x slower eager decoding on an H100): a growing
+    cache's one-token steps run SDPA without it on CUDA; a static cache's (one length) and the CPU keep SDPA's choice."""
+    on_cuda = SimpleNamespace(is_cuda=True)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa.one_token_kernels(on_cuda, growing=True):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    for q, growing in ((on_cuda, False), (SimpleNamespace(is_cuda=False), True)):
+        with sdpa.one_token_kernels(q, growing):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    asked = []  # what model.attention says of each one-token step
+    kernels = sdpa.one_token_kernels
+    monkeypatch.setattr(sdpa, "one_token_kernels", lambda q, growing: asked.append(growing) or kernels(q, growing))
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)).eval()
+    idx = torch.randint(0, 32, (1, 5))
+    with torch.no_grad():
+        growing, static = model.new_kv_cache(1, 8), model.new_kv_cache(1, 8, static=True)
+        model(idx, kv_cache=growing)
+        model(idx[:, :1], kv_cache=growing)
+        model(idx[:, :1], kv_cache=static, input_pos=torch.tensor([5]))
+    assert asked == [True, True, False, False]  # two layers each; a prefill (a whole sequence) asks nothing
