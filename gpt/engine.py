@@ -139,7 +139,8 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
             cache.select_rows([0] * n)
             tokens = tokens.expand(n, -1)  # (B, 1)
         rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
-        for _ in range(settings["max_new_tokens"]):
+        unread = []  # new tokens on their way to the host; a static step's batch never shrinks, so from the second
+        for made in range(settings["max_new_tokens"]):  # step on, its tokens are read after the next step is launched
             if cache is not None and cache.pos == block_size:  # the context is full: slide the window
                 refilled, tokens = prefill(model, slide(contexts, block_size), block_size, static)
                 for name in ("k", "v", "tokens"):  # into the same tensors, where a static step reads them
@@ -148,9 +149,9 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
             logits = step(model, contexts if cache is None else tokens, cache)  # (B, V)
             tokens = next_tokens(logits, settings, samples.tokenizer.vocab_size, generator)  # (B, 1)
             contexts = torch.cat([contexts, tokens], dim=1)  # (B, T + 1)
-            for i, token in enumerate(tokens[:, 0].tolist()):
-                if rows[i] is not None and samples.add(rows[i], token):
-                    rows[i] = None
+            unread.append(read_back(tokens))
+            while len(unread) > (1 if static and made else 0):
+                add_tokens(samples, rows, unread.pop(0)())
             if rows.count(None) == len(rows):
                 break
             if None in rows and not static:  # finished samples stop costing work
@@ -158,3 +159,23 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
                 rows, contexts, tokens = [rows[i] for i in alive], contexts[alive], tokens[alive]
                 if cache is not None:
                     cache.select_rows(alive)
+        for read in unread:  # the last step's tokens
+            add_tokens(samples, rows, read())
+
+
+def read_back(tokens):
+    """A function returning tokens (B, 1) as a list, their copy to the host started now: on CUDA into pinned memory
+    behind an event, so that the GPU runs the next step while the host waits for these and streams them."""
+    if tokens.device.type != "cuda":
+        return lambda: tokens[:, 0].tolist()
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return lambda: copied.synchronize() or host[:, 0].tolist()
+
+
+def add_tokens(samples, rows, tokens):
+    """tokens (a list, one per batch row) to the samples of rows, marking in rows (None) each sample they end."""
+    for i, token in enumerate(tokens):
+        if rows[i] is not None and samples.add(rows[i], token):
+            rows[i] = None

@@ -97,7 +97,8 @@ def cuda_graph_step(step=decode_step):
 
     def replay(model, tokens, cache, input_pos):
         nonlocal recorded, graph, logits
-        addresses = [t.data_ptr() for t in (tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids)]
+        addresses = [t.data_ptr() for t in (tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids,
+                                            *cache.rotary)]
         if recorded is None:
             recorded = addresses
             if tokens.is_cuda:

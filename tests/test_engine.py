@@ -310,7 +310,8 @@ def test_a_graphed_decode_reads_and_writes_the_same_tensors_every_step_and_decod
     original = static_step.cuda_graph_step
 
     def recording(model, tokens, cache, input_pos):
-        tensors = [tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids, *model.parameters()]
+        tensors = [tokens, input_pos, cache.k, cache.v, cache.tokens, cache.layer_ids, *cache.rotary,
+                   *model.parameters()]
         steps.append([t.data_ptr() for t in tensors])
         return static_step.decode_step(model, tokens, cache, input_pos)
 
@@ -323,6 +324,24 @@ def test_a_graphed_decode_reads_and_writes_the_same_tensors_every_step_and_decod
     assert len(steps) == 29  # 30 tokens: the first from an eager step, before the graph is captured
     assert all(addresses == steps[0] for addresses in steps), "a tensor of the graphed step moved between steps"
     assert texts[True] == texts[False] and len(texts[True][0]) == 30 and len(set(texts[True][0])) > 1
+
+
+def test_a_static_step_is_launched_before_the_previous_tokens_are_read(monkeypatch):
+    """From the second step on, a static cache's new tokens are read (to the host: streamed, checked for stops) after
+    the next step is launched, so that a GPU computes while the host waits and prints; the first token at once."""
+    from gpt.tokenizer import Tokenizer, char_meta
+    events, original = [], static_step.static_step
+
+    def launching(*args):
+        step = original(*args)
+        return lambda *step_args: events.append("step") or step(*step_args)
+
+    monkeypatch.setattr(static_step, "static_step", launching)
+    samples = engine.Samples(1, Tokenizer(char_meta("abcdefgh")), [], stream=False)
+    monkeypatch.setattr(samples, "add", lambda sample, token: events.append("add") and False)
+    settings = dict(graph_settings(1, cuda_graph=True), max_new_tokens=4)
+    engine.decode_batch(random_gpt(0, 1.0), [1, 2, 3, 4], settings, samples, torch.Generator())
+    assert events == ["step", "add", "step", "step", "add", "step", "add", "add"]
 
 
 def test_a_graphed_step_given_a_tensor_it_was_not_captured_with_raises():
