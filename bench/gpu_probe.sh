@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# What a GPU owner waits for, at the GPT-2 124M shape on one GPU, in ~6 minutes (bench/RESULTS.md has its runs):
-#   train.py ms/iter, tokens/s, MFU at batch 16 and 64 (compiled), and at 16 with the loss on whole logits;
+# What a GPU owner waits for, at the GPT-2 124M shape on one GPU, in ~7 minutes (bench/RESULTS.md has its runs):
+#   train.py ms/iter, tokens/s, MFU at batch 16 and 64 (compiled), and at 16 with the chunked loss (loss_chunk);
 #   sample.py's time to its first token and tokens/s eager, by default (a CUDA graph of the eager step), and with
-#   --compile=True on a cold and a warm inductor cache. Run from the repo root: bash bench/gpu_probe.sh [> log]
+#   --compile=True on a cold and a warm inductor cache; where the graphed step's GPU time goes
+#   (bench/gpu_decode_kernels.py). Run from the repo root: bash bench/gpu_probe.sh [> log]
 # SAMPLE_ONLY=1: sample.py's rows alone (~3 minutes), on a checkpoint of 2 eager iterations.
 # DEV=cpu SHAPE="..." BATCHES=2 tries its plumbing on a CPU with a tiny shape.
 W=$(mktemp -d); export GPT_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 DEV=${DEV:-cuda}   # sample.py's compile cache starts cold
 PY=$(command -v python3 || command -v python)
-SHAPE=${SHAPE:-"--n_layer=12 --n_head=12 --n_kv_head=4 --n_embd=768 --block_size=1024 --vocab_size=50304 --loss_chunk=8192"}
+SHAPE=${SHAPE:-"--n_layer=12 --n_head=12 --n_kv_head=4 --n_embd=768 --block_size=1024 --vocab_size=50304 --loss_chunk=0"}
 BATCHES=${BATCHES:-"16 64"}; FIRST=${BATCHES%% *}
 $PY data/shakespeare_char/prepare.py >/dev/null
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null
@@ -39,14 +40,18 @@ else
 fi
 A="--out_dir=$W/b$FIRST --device=$DEV --prompt=ROMEO: --temperature=0"; S="$PY sample.py $A"
 ttft sample-eager $S --compile=False --cuda_graph=False --max_new_tokens=100
-# eager again without SDPA's cuDNN kernels: a lead for eager's 14 tokens/s (cuDNN builds a plan per new key length)
+# again with SDPA's cuDNN kernel off: eager leaves it out anyway (a plan per new key length: gpt/sdpa.py), the default
+# keeps it (the fastest at one length), and without it takes another kernel, with other output strides
 NO_CUDNN="import runpy, sys, torch; torch.backends.cuda.enable_cudnn_sdp(False); sys.argv[0] = 'sample.py'; \
 runpy.run_path('sample.py', run_name='__main__')"
 ttft sample-eager-no-cudnn $PY -c "$NO_CUDNN" $A --compile=False --cuda_graph=False --max_new_tokens=100
 ttft sample-default-no-cudnn $PY -c "$NO_CUDNN" $A --max_new_tokens=300
 ttft sample-default $S --max_new_tokens=300
-GPT_CACHE_DIR=$W/cache2 ttft sample-compile-cold $S --max_new_tokens=300 --compile=True
-GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
+if [ "${SAMPLE_COMPILE:-1}" = 1 ]; then  # SAMPLE_COMPILE=0 leaves out the two compiled rows (~3 minutes)
+  GPT_CACHE_DIR=$W/cache2 ttft sample-compile-cold $S --max_new_tokens=300 --compile=True
+  GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
+fi
+$PY bench/gpu_decode_kernels.py --cache=320 --steps=100
 [ "${SAMPLE_ONLY:-0}" = 1 ] && exit
 for B in ${BATCHES#$FIRST}; do train $B b$B; done
-train $FIRST b${FIRST}_whole_loss --loss_chunk=0   # the head once, logits whole: what the chunked loss costs
+train $FIRST b${FIRST}_chunked_loss --loss_chunk=8192  # what the chunked loss costs compiled (it breaks the graph)
