@@ -87,7 +87,7 @@ from gpt.files import atomic_open
 
 TRAIN, SAMPLE, EVAL = (os.path.join(ROOT, name) for name in ("train.py", "sample.py", "eval.py"))
 GPT2_SHAPE = ["--n_layer=12", "--n_head=12", "--n_kv_head=4", "--n_embd=768", "--block_size=1024", "--vocab_size=50304",
-              "--loss_chunk=8192"]  # as config/gpt2_124m.py
+              "--loss_chunk=8192"]  # chunked, so the eager rows fit a 16 GB card (config/gpt2_124m.py: whole logits)
 TINY_SHAPE = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--n_embd=64", "--block_size=64", "--vocab_size=128"]
 SPEED = re.compile(r"(\d+) tokens in [\d.]+ s \(([\d.]+) tokens/s; ([\d.]+) after the first \d+\)")  # sample.py's
 ACCEPTED = re.compile(r"draft acceptance rate [\d.]+% \((\d+)/(\d+)\)")  # sample.py's, with --draft
