@@ -1,7 +1,8 @@
 """
 Which kernel torch's scaled_dot_product_attention runs for grouped-query attention (fewer kv heads than query
-heads), so that model.attention knows whether to pass enable_gqa=True or to repeat k and v itself. A fact about
-torch's kernels on each card, not about the model, so it lives apart from model.py.
+heads), so that model.attention knows whether to pass enable_gqa=True or to repeat k and v itself, and which
+kernels one new token after a growing cache may run. Facts about torch's kernels on each card, not about the model,
+so they live apart from model.py.
 
 Where no fused kernel takes enable_gqa, SDPA falls back to its math kernel, which holds every (B, nh, T, S) score:
 config/gpt2_124m.py's batch of 64 x 12 heads x 1024 x 1024 is 805M scores a layer, 1.6 GB at 2 bytes. Repeated k and
