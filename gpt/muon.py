@@ -43,14 +43,24 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # Muon's own: state["momentum_buffer"] as it keeps it
-            for i, (param, grad, buffer) in enumerate(zip(params, grads, buffers)):
-                buffer.lerp_(grad, 1 - group["momentum"])
-                update = grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-                update = self.orthogonalized(update, group, i)
+            updates = (momentum_update(grad, buffer, group) for grad, buffer in zip(grads, buffers))  # made lazily
+            for param, update in zip(params, self.orthogonalized(updates, group)):
                 param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
 
-    def orthogonalized(self, update, group, i):
-        """The i-th matrix's update orthogonalized (gpt.parallel.ShardedMuon shares the work out instead)."""
-        dtype = getattr(torch, group.get("ns_dtype", "bfloat16"))
-        return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+    def orthogonalized(self, updates, group):
+        """The group's updates, each orthogonalized in turn, one matrix at a time in memory (gpt.parallel.ShardedMuon
+        takes them all and shares the work out instead)."""
+        return (orthogonalize_in_group(update, group) for update in updates)
+
+
+def momentum_update(grad, buffer, group):
+    """torch.optim.Muon's momentum: the buffer moved toward grad, and the update to orthogonalize (Nesterov's, or the
+    buffer itself)."""
+    buffer.lerp_(grad, 1 - group["momentum"])
+    return grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+
+
+def orthogonalize_in_group(update, group):  # orthogonalize with a Muon param group's settings
+    dtype = getattr(torch, group.get("ns_dtype", "bfloat16"))
+    return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)

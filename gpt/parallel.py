@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import UserError
-from gpt.muon import Muon
+from gpt.muon import Muon, orthogonalize_in_group
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
@@ -85,17 +85,53 @@ def shard(model, param_dtype):
 
 class ShardedMuon(Muon):
     """gpt.muon.Muon for FSDP's row-sharded matrices (DTensors), with Muon's state and numbers. Newton-Schulz needs
-    a whole matrix: each matrix's update is gathered, orthogonalized by one rank (the matrices take turns, as
-    nanochat and modded-nanogpt share Muon's work) and its rows sent back. torch.optim.Muon runs on DTensors too,
-    but splits every Newton-Schulz product into collectives, many times slower a step (bench/RESULTS.md)."""
+    a whole matrix: each rank orthogonalizes whole the matrices it owns (the i-th: rank i % world size), all ranks at
+    once (nanochat and modded-nanogpt share Muon's work so), between two all-gathers a step: every rank's rows of
+    every update, then every owner's results, of which each rank keeps its rows. For the step every rank holds every
+    matrix whole, twice (0.7 GB in fp32 at the 124M shape), where matrices taking turns held one, with 2 collectives
+    a matrix. torch.optim.Muon runs on DTensors too, but splits every Newton-Schulz product into collectives, many
+    times slower a step (bench/RESULTS.md)."""
 
-    def orthogonalized(self, update, group, i):
-        from torch.distributed.tensor import distribute_tensor
+    def orthogonalized(self, updates, group):
+        from torch.distributed.tensor import DTensor
 
-        owner, whole = i % dist.get_world_size(), update.full_tensor()  # (out, in) on every rank
-        if dist.get_rank() == owner:  # sent in the dtype every rank expects
-            whole = super().orthogonalized(whole, group, i).to(whole.dtype)
-        return distribute_tensor(whole, update.device_mesh, update.placements, src_data_rank=owner)
+        updates, world, rank = list(updates), dist.get_world_size(), dist.get_rank()
+        if not updates:
+            return []
+        owners = [i % world for i in range(len(updates))]
+        rows = [fsdp_rows(u.size(0), world) for u in updates]  # rows[i][r]: how many rows of matrix i rank r holds
+        shards = [u.to_local().flatten() for u in updates]
+        assert [len(s) for s in shards] == [n[rank] * u.size(1) for n, u in zip(rows, updates)], "not FSDP's rows"
+        # 1. every rank's rows of every matrix in one gather; each owner puts its matrices together, orthogonalizes them
+        by_rank = gather(shards, [[n[r] * u.size(1) for n, u in zip(rows, updates)] for r in range(world)], updates)
+        owned = [orthogonalize_in_group(torch.cat([pieces[i] for pieces in by_rank]).view(u.shape), group)
+                 .to(u.dtype).flatten() for i, u in enumerate(updates) if owners[i] == rank]
+        # 2. every owner's orthogonalized matrices in one gather; each rank keeps its rows of each
+        owned_sizes = [[u.numel() for u, owner in zip(updates, owners) if owner == r] for r in range(world)]
+        by_owner = gather(owned, owned_sizes, updates)
+        results = []
+        for i, u in enumerate(updates):
+            whole = by_owner[owners[i]][owners[:i].count(owners[i])].view(u.shape)  # the owner's how-many-th matrix
+            start = sum(rows[i][:rank])
+            results.append(DTensor.from_local(whole[start:start + rows[i][rank]], u.device_mesh, u.placements,
+                                              shape=u.shape, stride=u.stride()))
+        return results
+
+
+def fsdp_rows(n_rows, world):
+    """How many rows of an (n_rows, ...) matrix each of world ranks holds under FSDP2: torch.chunk's split."""
+    sizes = [len(chunk) for chunk in torch.arange(n_rows).chunk(world)]
+    return sizes + [0] * (world - len(sizes))
+
+
+def gather(tensors, sizes, updates):
+    """Every rank's flat tensors in one all_gather: sizes[r] lists rank r's tensors' lengths (every rank knows them);
+    returns [r][j], rank r's j-th tensor. Each rank's go concatenated, padded to the longest, in updates' dtype."""
+    longest = max(sum(s) for s in sizes)
+    mine = torch.cat(tensors) if tensors else updates[0].to_local().new_empty(0)  # a rank may own none
+    rows = [mine.new_empty(longest) for _ in sizes]
+    dist.all_gather(rows, torch.cat([mine, mine.new_zeros(longest - len(mine))]))
+    return [list(row[:sum(s)].split(s)) for row, s in zip(rows, sizes)]
 
 
 def wrap_ddp(model, device):

@@ -23,6 +23,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train
 from gpt import UserError
@@ -250,6 +251,19 @@ def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(world, workdir, 
         torch.testing.assert_close(got_model[name], weight, atol=1e-3, rtol=0, msg=name)
 
 
+class CollectivesCounted(TorchDispatchMode):
+    """The collectives dispatched inside it, by op name (c10d's and functional collectives', as DTensor uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "c10d" in str(func.overloadpacket):
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def sharded_muon_steps(rank):
     """The world's job for the test below: this rank's count of orthogonalizations and the largest difference from
     torch's Muon, in a line."""
@@ -272,23 +286,28 @@ def sharded_muon_steps(rank):
         x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))
         optimizers = [ShardedMuon(sharded.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw"),
                       torch.optim.Muon(whole.parameters(), lr=0.1, adjust_lr_fn="match_rms_adamw")]
+        collectives = CollectivesCounted()
         for step in range(2):
             for model, optimizer in zip((sharded, whole), optimizers):
                 model(x).square().sum().backward()
-                optimizer.step()
+                with collectives if optimizer is optimizers[0] else contextlib.nullcontext():
+                    optimizer.step()
                 optimizer.zero_grad()
         differences = [(p.full_tensor() - q).abs().max().item() for p, q in zip(sharded.parameters(),
                                                                               whole.parameters())]
         del sharded, optimizers  # before the group: see train.main
-    return f"rank {rank} orthogonalized {len(calls)} max difference {max(differences)}"
+    return (f"rank {rank} orthogonalized {len(calls)} max difference {max(differences)} collectives "
+            f"{', '.join(collectives.names)}")
 
 
 def test_sharded_muon_orthogonalizes_each_matrix_once_on_its_owner_and_steps_as_muon(world):
     """gpt.parallel.ShardedMuon on 2 processes: each step, rank 0 orthogonalizes 2 of the 3 matrices and rank 1 the
-    other (torch.optim.Muon on the whole model, run beside it in each process, adds 3 a step), and the parameters
+    other (torch.optim.Muon on the whole model, run beside it in each process, adds 3 a step: 10 and 8 in 2 steps),
+    both at once between two all-gathers a step (every rank's rows in, every owner's results out), and the parameters
     equal that whole model's exactly after 2 steps (the same bfloat16 arithmetic on the same whole matrices)."""
-    assert world.result("sharded_muon") == ["rank 0 orthogonalized 10 max difference 0.0",  # (2 owned + 3 whole) x 2
-                                            "rank 1 orthogonalized 8 max difference 0.0"]  # (1 + 3) x 2
+    gathers = ", ".join(["c10d.allgather_"] * 4)  # two a step, whatever the number of matrices
+    assert world.result("sharded_muon") == [f"rank 0 orthogonalized 10 max difference 0.0 collectives {gathers}",
+                                            f"rank 1 orthogonalized 8 max difference 0.0 collectives {gathers}"]
 
 
 def test_an_fsdp_checkpoint_is_todays_ckpt_pt(world):
