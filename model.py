@@ -14,6 +14,7 @@ mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=Tr
 names (embed_tokens, layers.N.self_attn.q_proj, ...).
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -151,15 +152,20 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
         positions.ids[:, None], torch.arange(S, device=q.device), config, layer, positions.key_tokens)
     if plain_causal and mask is not None and not shared:  # kept for the other layers, in the form SDPA adds it
         mask = positions.mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
-    from gpt import sdpa  # which of SDPA's kernels take grouped-query attention, or a new key length, on which card
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
-        with sdpa.one_token_kernels(q, growing=sees_all):  # query block: each kv head read once
+        kernels = contextlib.nullcontext()  # query block: each kv head read once
+        if sees_all and q.is_cuda:  # a key length new at every step: not cuDNN's kernel, which plans for each
+            from gpt.sdpa import new_key_length_kernels
+            kernels = new_key_length_kernels()
+        with kernels:
             y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                                attn_mask=mask, dropout_p=dropout_p)
         # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not. A per-head term in the scores (a bias,
         # ALiBi's slopes) must follow the regrouping: here query head h is row h % group of kv group h // group.
         return y.reshape(B, n_head, 1, head_dim)  # a copy only where a kernel's output has other strides
     gqa = n_head != n_kv_head
+    if gqa:
+        from gpt import sdpa  # which of SDPA's kernels take grouped-query attention on which card
     if gqa and not sdpa.takes_gqa(q, masked=mask is not None):  # else SDPA's math kernel would hold every score
         group = n_head // n_kv_head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, S, hd): head h reads

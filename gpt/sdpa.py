@@ -10,8 +10,6 @@ v (n_head heads, no enable_gqa) go to a fused kernel instead. tests/test_sdpa_ke
 each card and dtype and where it was read from.
 """
 
-import contextlib
-
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -48,7 +46,7 @@ def sdpa_fuses_gqa(device_type, capability, dtype, masked, head_dim):
             and not masked and head_dim <= 192)
 
 
-def one_token_kernels(q, growing):
-    """The SDPA kernels for one new token's queries q: without cuDNN's on CUDA after a growing cache (growing: a new
-    key length every step), else SDPA's own choice (a static cache's length stays, and cuDNN's is fastest there)."""
-    return sdpa_kernel(NEW_KEY_LENGTH_KERNELS) if growing and q.is_cuda else contextlib.nullcontext()
+def new_key_length_kernels():
+    """SDPA's kernels for one token after a growing cache on CUDA (model.attention): a key length new at every step,
+    so every kernel but cuDNN's (a static cache's length stays, and keeps cuDNN's, the fastest there)."""
+    return sdpa_kernel(NEW_KEY_LENGTH_KERNELS)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import model as model_py  # the module: tests swap its attention
 from gpt import sdpa  # the module: tests swap its sdpa_fuses_gqa
@@ -203,26 +204,46 @@ def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
         torch._dynamo.reset()
 
 
-def test_one_token_after_a_growing_cache_leaves_out_cudnns_kernel(monkeypatch):
-    """cuDNN's SDPA kernel builds a plan for each new key length (7x slower eager decoding on an H100): a growing
-    cache's one-token steps run SDPA without it on CUDA; a static cache's (one length) and the CPU keep SDPA's choice."""
-    on_cuda = SimpleNamespace(is_cuda=True)
+def test_one_token_after_a_growing_cache_leaves_out_cudnns_kernel():
+    """cuDNN's SDPA kernel builds a plan for each new key length (7x slower eager decoding on an H100): on CUDA a
+    growing cache's one-token steps run SDPA without it; a static cache's (one length) and the CPU's keep SDPA's
+    choice. CUDA here: CPU tensors answering is_cuda as CUDA's (what model.attention asks)."""
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    with sdpa.one_token_kernels(on_cuda, growing=True):
+    with sdpa.new_key_length_kernels():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()
-    for q, growing in ((on_cuda, False), (SimpleNamespace(is_cuda=False), True)):
-        with sdpa.one_token_kernels(q, growing):
-            assert torch.backends.cuda.cudnn_sdp_enabled()
-    asked = []  # what model.attention says of each one-token step
-    kernels = sdpa.one_token_kernels
-    monkeypatch.setattr(sdpa, "one_token_kernels", lambda q, growing: asked.append(growing) or kernels(q, growing))
-    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)).eval()
-    idx = torch.randint(0, 32, (1, 5))
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)).eval()
+    assert cudnn_flags_in_attention(model, CudaLooking) == dict(prefill={True}, growing={False}, static={True})
+    assert cudnn_flags_in_attention(model, torch.Tensor) == dict(prefill={True}, growing={True}, static={True})
+
+
+class CudaLooking(torch.Tensor):  # ops on it give it back: the model's activations from its token ids on
+    is_cuda = True
+
+
+class CudnnFlagInAttention(TorchDispatchMode):
+    """torch.backends.cuda.cudnn_sdp_enabled() at each attention kernel dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.flags = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in str(func.overloadpacket):
+            self.flags.add(torch.backends.cuda.cudnn_sdp_enabled())
+        return func(*args, **(kwargs or {}))
+
+
+def cudnn_flags_in_attention(model, ids_class):
+    """{path: the cuDNN flags seen in its attention}: a prefill, one token after it (growing), one on a static cache."""
+    idx, flags = torch.zeros(1, 5, dtype=torch.long).as_subclass(ids_class), {}
     with torch.no_grad():
         growing, static = model.new_kv_cache(1, 8), model.new_kv_cache(1, 8, static=True)
-        model(idx, kv_cache=growing)
-        model(idx[:, :1], kv_cache=growing)
-        model(idx[:, :1], kv_cache=static, input_pos=torch.tensor([5]))
-    assert asked == [True, True, False, False]  # two layers each; a prefill (a whole sequence) asks nothing
+        for path, run in (("prefill", lambda: model(idx, kv_cache=growing)),
+                          ("growing", lambda: model(idx[:, :1], kv_cache=growing)),
+                          ("static", lambda: model(idx[:, :1], kv_cache=static, input_pos=torch.tensor([5])))):
+            with CudnnFlagInAttention() as seen:
+                run()
+            flags[path] = seen.flags
+    return flags
