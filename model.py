@@ -99,10 +99,9 @@ def dropout(config):  # no dropout, no module that dispatches an op doing nothin
 
 
 class Positions:
-    """Where a forward pass's tokens are: ids (T,), and RoPE's cos and sin there (T, 1, hd), once for all layers
-    (indexed in table, a KV cache's rotary, where one is given); key_tokens (B, S), the token id at each position
-    attention reads (the tokens themselves, or the cache's); newest: whether the tokens are the last of the keys
-    attention reads (a growing cache's, or no cache); mask: the one all layers share, once attention builds it."""
+    """Where a forward pass's tokens are: ids (T,), RoPE's cos and sin there (T, 1, hd) for all layers (from table, a
+    KV cache's, if given); key_tokens (B, S), the ids at the positions attention reads; newest: whether the tokens are
+    the last keys it reads (a growing cache's, or no cache); mask: the one all layers share, once attention made it."""
 
     def __init__(self, ids, head_dim, base, key_tokens=None, newest=False, table=None):
         self.ids, self.key_tokens, self.newest, self.mask = ids, key_tokens, newest, None
@@ -120,8 +119,7 @@ def rotary_table(ids, head_dim, base):
 
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
-    position: x cos + rotate_half(x) sin, where rotate_half(x) = (-x[i + hd/2], x[i]), computed as the halves
-    swapped times the signed sin. In fp32: the first product and addcmul upcast a 16-bit x inside their kernels."""
+    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in fp32 (the product and addcmul upcast a 16-bit x)."""
     x1, x2 = x.chunk(2, dim=-1)
     return in_dtype(torch.addcmul(x * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin), x.dtype)
 
@@ -176,9 +174,8 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
 
 
 class KVCache:
-    """Keys and values of every layer (n_kv_head heads only) for max_len positions, position p in slot p, and RoPE's
-    cos and sin at each (rotary: a decode step indexes them). A growing cache counts its positions (pos); a static one
-    is written at given input_pos and read whole (torch.compile)."""
+    """Keys and values of every layer (n_kv_head heads only), and RoPE's cos and sin (rotary), for max_len positions,
+    position p in slot p. A growing cache counts its positions (pos); a static one is written at input_pos, read all."""
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None, static=False,
                  rope_base=10000.0):
