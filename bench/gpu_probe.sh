@@ -3,7 +3,8 @@
 #   train.py ms/iter, tokens/s, MFU at batch 16 and 64 (compiled), and at 16 with the chunked loss (loss_chunk);
 #   sample.py's time to its first token and tokens/s eager, by default (a CUDA graph of the eager step), and with
 #   --compile=True on a cold and a warm inductor cache; where the graphed step's GPU time goes
-#   (bench/gpu_decode_kernels.py). Run from the repo root: bash bench/gpu_probe.sh [> log]
+#   (bench/gpu_decode_kernels.py); Muon's Newton-Schulz batched or not (bench/bench_muon.py).
+#   Run from the repo root: bash bench/gpu_probe.sh [> log]
 # SAMPLE_ONLY=1: sample.py's rows alone (~3 minutes), on a checkpoint of 2 eager iterations.
 # DEV=cpu SHAPE="..." BATCHES=2 tries its plumbing on a CPU with a tiny shape.
 W=$(mktemp -d); export GPT_CACHE_DIR=$W/cache PYTHONUNBUFFERED=1 DEV=${DEV:-cuda}   # sample.py's compile cache starts cold
@@ -52,6 +53,7 @@ if [ "${SAMPLE_COMPILE:-1}" = 1 ]; then  # SAMPLE_COMPILE=0 leaves out the two c
   GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
 fi
 $PY bench/gpu_decode_kernels.py --cache=320 --steps=100
+$PY bench/bench_muon.py --rounds=3  # Newton-Schulz matrix by matrix or batched by shape: does batching pay here?
 [ "${SAMPLE_ONLY:-0}" = 1 ] && exit
 for B in ${BATCHES#$FIRST}; do train $B b$B; done
 train $FIRST b${FIRST}_chunked_loss --loss_chunk=8192  # what the chunked loss costs compiled (it breaks the graph)
