@@ -151,11 +151,11 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
     if plain_causal and mask is not None and not shared:  # kept for the other layers, in the form SDPA adds it
         mask = positions.mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
-        kernels = contextlib.nullcontext()  # query block: each kv head read once
+        kernels = contextlib.nullcontext()
         if sees_all and q.is_cuda:  # a key length new at every step: not cuDNN's kernel, which plans for each
             from gpt.sdpa import new_key_length_kernels
             kernels = new_key_length_kernels()
-        with kernels:
+        with kernels:  # query block: each kv head read once
             y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                                attn_mask=mask, dropout_p=dropout_p)
         # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not. A per-head term in the scores (a bias,

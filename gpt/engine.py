@@ -139,8 +139,8 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
             cache.select_rows([0] * n)
             tokens = tokens.expand(n, -1)  # (B, 1)
         rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
-        unread = []  # new tokens on their way to the host; a static step's batch never shrinks, so from the second
-        for made in range(settings["max_new_tokens"]):  # step on, its tokens are read after the next step is launched
+        unread = []  # tokens on their way to the host, read once the next step is launched where the batch never
+        for made in range(settings["max_new_tokens"]):  # shrinks (a static cache), from the second step on
             if cache is not None and cache.pos == block_size:  # the context is full: slide the window
                 refilled, tokens = prefill(model, slide(contexts, block_size), block_size, static)
                 for name in ("k", "v", "tokens"):  # into the same tensors, where a static step reads them
