@@ -119,9 +119,10 @@ def rotary_table(ids, head_dim, base):
 
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
-    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in fp32 (the product and addcmul upcast a 16-bit x)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return in_dtype(torch.addcmul(x * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin), x.dtype)
+    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in fp32 (upcast once: CUDA's kernels mixing dtypes are slow)."""
+    x32 = in_dtype(x, torch.float32)  # (B, T, h, hd)
+    x1, x2 = x32.chunk(2, dim=-1)
+    return in_dtype(torch.addcmul(x32 * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin), x.dtype)
 
 
 def can_attend(query_pos, key_pos, config, layer, tokens):

@@ -169,8 +169,7 @@ def read_back(tokens):
     if tokens.device.type != "cuda":
         return lambda: tokens[:, 0].tolist()
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+    copied = torch.cuda.current_stream().record_event()
     return lambda: copied.synchronize() or host[:, 0].tolist()
 
 
