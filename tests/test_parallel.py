@@ -232,7 +232,7 @@ def test_fsdp_ddp_and_one_process_train_the_same_model(world):
 
 
 def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(world, workdir, tmp_path):
-    """optimizer=muon with fsdp=True (gpt.parallel.ShardedMuon: each matrix orthogonalized whole by one rank): 3
+    """optimizer=muon with fsdp=True (gpt.parallel.ShardedMuon: each matrix orthogonalized whole by its rank): 3
     iterations, resumed to 6 under FSDP, give one process's 6 iterations with gpt.muon.Muon: the same losses within
     1e-5, so its state saves and loads as Muon's. Gradient norms and weights within 1e-3 only: where Newton-Schulz
     runs in bfloat16 (torch's choice), gradients summed in another order can round an update element to the next
