@@ -86,11 +86,10 @@ def shard(model, param_dtype):
 class ShardedMuon(Muon):
     """gpt.muon.Muon for FSDP's row-sharded matrices (DTensors), with Muon's state and numbers. Newton-Schulz needs
     a whole matrix: each rank orthogonalizes whole the matrices it owns (the i-th: rank i % world size), all ranks at
-    once (nanochat and modded-nanogpt share Muon's work so), between two all-gathers a step: every rank's rows of
-    every update, then every owner's results, of which each rank keeps its rows. For the step every rank holds every
-    matrix whole, twice (0.7 GB in fp32 at the 124M shape), where matrices taking turns held one, with 2 collectives
-    a matrix. torch.optim.Muon runs on DTensors too, but splits every Newton-Schulz product into collectives, many
-    times slower a step (bench/RESULTS.md)."""
+    once (nanochat and modded-nanogpt share Muon's work so), between two all-to-alls a step: every rank's rows of each
+    matrix to its owner, then each owner's results' rows back to the ranks holding them. A rank holds whole only the
+    matrices it owns. torch.optim.Muon runs on DTensors too, but splits every Newton-Schulz product into collectives,
+    many times slower a step (bench/RESULTS.md)."""
 
     def orthogonalized(self, updates, group):
         from torch.distributed.tensor import DTensor
@@ -98,24 +97,23 @@ class ShardedMuon(Muon):
         updates, world, rank = list(updates), dist.get_world_size(), dist.get_rank()
         if not updates:
             return []
-        owners = [i % world for i in range(len(updates))]
         rows = [fsdp_rows(u.size(0), world) for u in updates]  # rows[i][r]: how many rows of matrix i rank r holds
+        size = [[n * u.size(1) for n in rows_i] for rows_i, u in zip(rows, updates)]  # size[i][r]: their elements
+        owned = [list(range(len(updates)))[r::world] for r in range(world)]  # owned[r]: the matrices rank r owns
         shards = [u.to_local().flatten() for u in updates]
-        assert [len(s) for s in shards] == [n[rank] * u.size(1) for n, u in zip(rows, updates)], "not FSDP's rows"
-        # 1. every rank's rows of every matrix in one gather; each owner puts its matrices together, orthogonalizes them
-        by_rank = gather(shards, [[n[r] * u.size(1) for n, u in zip(rows, updates)] for r in range(world)], updates)
-        owned = [orthogonalize_in_group(torch.cat([pieces[i] for pieces in by_rank]).view(u.shape), group)
-                 .to(u.dtype).flatten() for i, u in enumerate(updates) if owners[i] == rank]
-        # 2. every owner's orthogonalized matrices in one gather; each rank keeps its rows of each
-        owned_sizes = [[u.numel() for u, owner in zip(updates, owners) if owner == r] for r in range(world)]
-        by_owner = gather(owned, owned_sizes, updates)
-        results = []
-        for i, u in enumerate(updates):
-            whole = by_owner[owners[i]][owners[:i].count(owners[i])].view(u.shape)  # the owner's how-many-th matrix
-            start = sum(rows[i][:rank])
-            results.append(DTensor.from_local(whole[start:start + rows[i][rank]], u.device_mesh, u.placements,
-                                              shape=u.shape, stride=u.stride()))
-        return results
+        assert [len(shard) for shard in shards] == [s[rank] for s in size], "FSDP's rows are not torch.chunk's"
+        # 1. every rank's rows of each matrix to its owner, which puts its matrices together and orthogonalizes them
+        pieces = exchange([[shards[i] for i in owned[r]] for r in range(world)],
+                          [[size[i][r] for i in owned[rank]] for r in range(world)], shards[0])  # [r][j]: rank r's
+        results = [orthogonalize_in_group(torch.cat([p[j] for p in pieces]).view(updates[i].shape), group)
+                   .to(updates[i].dtype) for j, i in enumerate(owned[rank])]
+        # 2. each result's rows back to the rank holding them
+        starts = [[sum(n[:r]) for r in range(world)] for n in rows]  # starts[i][r]: rank r's first row of matrix i
+        back = exchange([[w[starts[i][r]:starts[i][r] + rows[i][r]].flatten() for w, i in zip(results, owned[rank])]
+                         for r in range(world)], [[size[i][rank] for i in owned[r]] for r in range(world)], shards[0])
+        mine = {i: part for r in range(world) for i, part in zip(owned[r], back[r])}  # this rank's rows of each
+        return [DTensor.from_local(mine[i].view(-1, u.size(1)), u.device_mesh, u.placements, shape=u.shape,
+                                   stride=u.stride()) for i, u in enumerate(updates)]
 
 
 def fsdp_rows(n_rows, world):
@@ -124,14 +122,15 @@ def fsdp_rows(n_rows, world):
     return sizes + [0] * (world - len(sizes))
 
 
-def gather(tensors, sizes, updates):
-    """Every rank's flat tensors in one all_gather: sizes[r] lists rank r's tensors' lengths (every rank knows them);
-    returns [r][j], rank r's j-th tensor. Each rank's go concatenated, padded to the longest, in updates' dtype."""
-    longest = max(sum(s) for s in sizes)
-    mine = torch.cat(tensors) if tensors else updates[0].to_local().new_empty(0)  # a rank may own none
-    rows = [mine.new_empty(longest) for _ in sizes]
-    dist.all_gather(rows, torch.cat([mine, mine.new_zeros(longest - len(mine))]))
-    return [list(row[:sum(s)].split(s)) for row, s in zip(rows, sizes)]
+def exchange(send, sizes, like):
+    """One all_to_all: send[r] lists the flat tensors for rank r, sizes[r] the lengths of those rank r sends here;
+    returns them, [r][j] (like's dtype and device)."""
+    flat = [t for tensors in send for t in tensors]
+    received = like.new_empty(sum(map(sum, sizes)))
+    dist.all_to_all_single(received, torch.cat(flat) if flat else like.new_empty(0),
+                           output_split_sizes=list(map(sum, sizes)),
+                           input_split_sizes=[sum(t.numel() for t in tensors) for tensors in send])
+    return [list(part.split(s)) for part, s in zip(received.split(list(map(sum, sizes))), sizes)]
 
 
 def wrap_ddp(model, device):

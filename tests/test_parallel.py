@@ -303,11 +303,11 @@ def sharded_muon_steps(rank):
 def test_sharded_muon_orthogonalizes_each_matrix_once_on_its_owner_and_steps_as_muon(world):
     """gpt.parallel.ShardedMuon on 2 processes: each step, rank 0 orthogonalizes 2 of the 3 matrices and rank 1 the
     other (torch.optim.Muon on the whole model, run beside it in each process, adds 3 a step: 10 and 8 in 2 steps),
-    both at once between two all-gathers a step (every rank's rows in, every owner's results out), and the parameters
-    equal that whole model's exactly after 2 steps (the same bfloat16 arithmetic on the same whole matrices)."""
-    gathers = ", ".join(["c10d.allgather_"] * 4)  # two a step, whatever the number of matrices
-    assert world.result("sharded_muon") == [f"rank 0 orthogonalized 10 max difference 0.0 collectives {gathers}",
-                                            f"rank 1 orthogonalized 8 max difference 0.0 collectives {gathers}"]
+    both at once between two all-to-alls a step (each matrix's rows to its owner, its result's rows back), and the
+    parameters equal that whole model's exactly after 2 steps (the same bfloat16 arithmetic on the same matrices)."""
+    exchanges = ", ".join(["c10d.alltoall_base_"] * 4)  # two a step, whatever the number of matrices
+    assert world.result("sharded_muon") == [f"rank 0 orthogonalized 10 max difference 0.0 collectives {exchanges}",
+                                            f"rank 1 orthogonalized 8 max difference 0.0 collectives {exchanges}"]
 
 
 def test_an_fsdp_checkpoint_is_todays_ckpt_pt(world):
