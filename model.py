@@ -14,7 +14,6 @@ mlp="swiglu", window=0 is exactly a Llama (qk_norm=False) or a Qwen3 (qk_norm=Tr
 names (embed_tokens, layers.N.self_attn.q_proj, ...).
 """
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -80,9 +79,8 @@ def norm(dim, config):  # every norm of the model is made here: RMSNorm with a l
 
 class RMSNorm(nn.RMSNorm):
     def forward(self, x):
-        # Its scale in x's dtype, as autocast casts a Linear's weight: under autocast q and k come out of their
-        # projections in bf16 while the scale stays fp32, and on that mismatch torch skips CUDA's fused kernel for
-        # 8 separate ops, warning on every run. The statistics are computed in fp32 either way.
+        # Its scale in x's dtype, as autocast casts a Linear's weight: else bf16 q and k from their projections meet
+        # an fp32 scale, and torch skips CUDA's fused kernel for 8 ops, warning every run. Statistics stay in fp32.
         return F.rms_norm(x, self.normalized_shape, in_dtype(self.weight, x.dtype), self.eps)
 
 
@@ -152,13 +150,8 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
     if plain_causal and mask is not None and not shared:  # kept for the other layers, in the form SDPA adds it
         mask = positions.mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
-        kernels = contextlib.nullcontext()
-        if sees_all and q.is_cuda:  # a key length new at every step: not cuDNN's kernel, which plans for each
-            from gpt.sdpa import new_key_length_kernels
-            kernels = new_key_length_kernels()
-        with kernels:  # query block: each kv head read once
-            y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
-                                               attn_mask=mask, dropout_p=dropout_p)
+        y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
+                                           attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
         # equal heads, no enable_gqa; only (B, nh, 1, S) scores, fused or not. A per-head term in the scores (a bias,
         # ALiBi's slopes) must follow the regrouping: here query head h is row h % group of kv group h // group.
         return y.reshape(B, n_head, 1, head_dim)  # a copy only where a kernel's output has other strides
@@ -372,12 +365,13 @@ class GPT(nn.Module):
         if max_new_tokens < 1 or T < 1 or T + max_new_tokens > self.config.block_size:
             raise ValueError(f"generate needs a prompt, max_new_tokens >= 1 and their sum <= block_size "
                              f"({self.config.block_size}); got {T} and {max_new_tokens}")
+        from gpt.engine import last_logits  # one decode step, as sample.py takes it
         from gpt.sampling import sample_next_token  # choosing a token from logits (temperature, top-k, top-p)
 
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
         for _ in range(max_new_tokens):
-            logits = self.logits(self.hidden_states(tokens[-1], kv_cache)[:, -1])  # (B, vocab_size)
+            logits = last_logits(self, tokens[-1], kv_cache)  # (B, vocab_size)
             tokens.append(sample_next_token(logits, temperature, top_k, top_p, generator))  # (B, 1)
         return torch.cat(tokens, dim=1)
 

@@ -79,10 +79,16 @@ def slide(contexts, block_size):
 
 
 def last_logits(model, tokens, cache):
-    """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T)."""
+    """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T). The eager step:
+    its key length is new at every call, so on CUDA without cuDNN's SDPA kernel, which builds a plan for each."""
     if cache is None:
         tokens = tokens[:, -model.config.block_size:]
-    return model.logits(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
+    kernels = contextlib.nullcontext()
+    if tokens.is_cuda:
+        from gpt.sdpa import new_key_length_kernels
+        kernels = new_key_length_kernels()
+    with kernels:
+        return model.logits(model.hidden_states(tokens, cache)[:, -1])  # only the last position needs logits
 
 
 # Compiling pays where reading the weights (a CPU) or launching kernels (CUDA, eager) bounds a step, or for int8 weights

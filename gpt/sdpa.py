@@ -1,8 +1,8 @@
 """
 Which kernel torch's scaled_dot_product_attention runs for grouped-query attention (fewer kv heads than query
 heads), so that model.attention knows whether to pass enable_gqa=True or to repeat k and v itself, and which
-kernels one new token after a growing cache may run. Facts about torch's kernels on each card, not about the model,
-so they live apart from model.py.
+kernels an eager decode step (a key length new at every step) may run. Facts about torch's kernels on each card,
+not about the model, so they live apart from model.py.
 
 Where no fused kernel takes enable_gqa, SDPA falls back to its math kernel, which holds every (B, nh, T, S) score:
 config/gpt2_124m.py's batch of 64 x 12 heads x 1024 x 1024 is 805M scores a layer, 1.6 GB at 2 bytes. Repeated k and
@@ -13,9 +13,9 @@ each card and dtype and where it was read from.
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# One token after a growing KV cache reads a key length new at every step, and cuDNN's kernel builds an execution
-# plan for each new length: eager decoding at the 124M shape on an H100 (torch 2.11) ran 19 tokens/s with it, 140
-# without (bench/RESULTS.md). torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 is opt-in; SDPA's other kernels need no plan.
+# An eager decode step reads a key length new at every step, and cuDNN's kernel builds an execution plan for each
+# new length: eager decoding at the 124M shape on an H100 (torch 2.11) ran 19 tokens/s with it, 140 without
+# (bench/RESULTS.md). torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 is opt-in; SDPA's other kernels need no plan.
 NEW_KEY_LENGTH_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -47,6 +47,6 @@ def sdpa_fuses_gqa(device_type, capability, dtype, masked, head_dim):
 
 
 def new_key_length_kernels():
-    """SDPA's kernels for one token after a growing cache on CUDA (model.attention): a key length new at every step,
+    """SDPA's kernels for an eager decode step on CUDA (gpt/engine.py's last_logits): a key length new at every step,
     so every kernel but cuDNN's (a static cache's length stays, and keeps cuDNN's, the fastest there)."""
     return sdpa_kernel(NEW_KEY_LENGTH_KERNELS)

@@ -204,18 +204,33 @@ def test_attention_compiles_in_one_graph_either_way(fused, monkeypatch):
         torch._dynamo.reset()
 
 
-def test_one_token_after_a_growing_cache_leaves_out_cudnns_kernel():
-    """cuDNN's SDPA kernel builds a plan for each new key length (7x slower eager decoding on an H100): on CUDA a
-    growing cache's one-token steps run SDPA without it; a static cache's (one length) and the CPU's keep SDPA's
-    choice. CUDA here: CPU tensors answering is_cuda as CUDA's (what model.attention asks)."""
+def test_an_eager_decode_step_leaves_out_cudnns_kernel():
+    """cuDNN's SDPA kernel builds a plan for each new key length (7x slower eager decoding on an H100): on CUDA the
+    eager decode step (engine.last_logits: sample.py without a graph, speculative decoding, model.generate) runs SDPA
+    without it; the static step (one length, captured or compiled) and the CPU keep SDPA's choice. CUDA here: CPU
+    tensors answering is_cuda as CUDA's (what last_logits asks)."""
+    from gpt import engine, static_step
+
     assert torch.backends.cuda.cudnn_sdp_enabled()
     with sdpa.new_key_length_kernels():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled()
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_kv_head=2, n_embd=32)).eval()
-    assert cudnn_flags_in_attention(model, CudaLooking) == dict(prefill={True}, growing={False}, static={True})
-    assert cudnn_flags_in_attention(model, torch.Tensor) == dict(prefill={True}, growing={True}, static={True})
+    for ids_class, eager_flag in ((CudaLooking, False), (torch.Tensor, True)):
+        idx = torch.zeros(1, 5, dtype=torch.long).as_subclass(ids_class)
+        growing, static = model.new_kv_cache(1, 8), model.new_kv_cache(1, 8, static=True)
+        runs = dict(growing=lambda: engine.last_logits(model, idx, growing),  # a prefill, then one token after it
+                    more=lambda: engine.last_logits(model, idx[:, :1], growing),
+                    generate=lambda: model.generate(idx, 2, temperature=0),
+                    static=lambda: static_step.decode_step(model, idx[:, :1], static, torch.tensor([5])))
+        flags = {}
+        with torch.no_grad():
+            for path, run in runs.items():
+                with CudnnFlagInAttention() as seen:
+                    run()
+                flags[path] = seen.flags
+        assert flags == dict(growing={eager_flag}, more={eager_flag}, generate={eager_flag}, static={True})
 
 
 class CudaLooking(torch.Tensor):  # ops on it give it back: the model's activations from its token ids on
@@ -233,17 +248,3 @@ class CudnnFlagInAttention(TorchDispatchMode):
         if "scaled_dot_product" in str(func.overloadpacket):
             self.flags.add(torch.backends.cuda.cudnn_sdp_enabled())
         return func(*args, **(kwargs or {}))
-
-
-def cudnn_flags_in_attention(model, ids_class):
-    """{path: the cuDNN flags seen in its attention}: a prefill, one token after it (growing), one on a static cache."""
-    idx, flags = torch.zeros(1, 5, dtype=torch.long).as_subclass(ids_class), {}
-    with torch.no_grad():
-        growing, static = model.new_kv_cache(1, 8), model.new_kv_cache(1, 8, static=True)
-        for path, run in (("prefill", lambda: model(idx, kv_cache=growing)),
-                          ("growing", lambda: model(idx[:, :1], kv_cache=growing)),
-                          ("static", lambda: model(idx[:, :1], kv_cache=static, input_pos=torch.tensor([5])))):
-            with CudnnFlagInAttention() as seen:
-                run()
-            flags[path] = seen.flags
-    return flags
