@@ -144,11 +144,12 @@ def attention(q, k, v, positions, module, dropout_p=0.0):
     plain_causal = config.window == 0  # the rule of can_attend here: a rule edited to hide more joins this condition
     causal = plain_causal and T == S  # a whole sequence: is_causal
     sees_all = plain_causal and T == 1 and positions.newest  # one token after its growing cache
-    shared = plain_causal and positions.mask is not None  # key <= query in every layer: the first layer's mask
-    mask = None if causal or sees_all else positions.mask if shared else can_attend(  # (T, S), or (B, 1, T, S)
-        positions.ids[:, None], torch.arange(S, device=q.device), config, layer, positions.key_tokens)
-    if plain_causal and mask is not None and not shared:  # kept for the other layers, in the form SDPA adds it
-        mask = positions.mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, -math.inf)
+    mask = positions.mask if plain_causal else None  # key <= query in every layer: the first layer's mask, if made
+    if mask is None and not (causal or sees_all):
+        mask = can_attend(positions.ids[:, None], torch.arange(S, device=q.device), config, layer,
+                          positions.key_tokens)  # (T, S), or (B, 1, T, S)
+        if plain_causal:  # kept for the other layers, in the form SDPA adds it
+            mask = positions.mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(~mask, -math.inf)
     if T == 1 and not causal:  # one token: a kv group's query heads (one position, one mask row) become the rows of one
         y = F.scaled_dot_product_attention(q.view(B, n_kv_head, n_head // n_kv_head, head_dim), k, v,
                                            attn_mask=mask, dropout_p=dropout_p)  # query block: each kv head read once
