@@ -117,9 +117,10 @@ class ShardedMuon(Muon):
 
 
 def fsdp_rows(n_rows, world):
-    """How many rows of an (n_rows, ...) matrix each of world ranks holds under FSDP2: torch.chunk's split."""
-    sizes = [len(chunk) for chunk in torch.arange(n_rows).chunk(world)]
-    return sizes + [0] * (world - len(sizes))
+    """How many rows of an (n_rows, ...) matrix each of world ranks holds under FSDP2: torch.chunk's split (chunks of
+    ceil(n_rows / world) rows, the last ones shorter or empty)."""
+    chunk = -(-n_rows // world)
+    return [max(0, min(chunk, n_rows - rank * chunk)) for rank in range(world)]
 
 
 def exchange(send, sizes, like):
