@@ -170,8 +170,7 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
 
 
 def read_back(tokens):
-    """A function returning tokens (B, 1) as a list, their copy to the host started now: on CUDA into pinned memory
-    behind an event, so that the GPU runs the next step while the host waits for these and streams them."""
+    """A function returning tokens (B, 1) as a list, copied to the host from now on (CUDA: pinned, behind an event)."""
     if tokens.device.type != "cuda":
         return lambda: tokens[:, 0].tolist()
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True).copy_(tokens, non_blocking=True)
