@@ -26,7 +26,7 @@ from configurator import configure
 from gpt import UserError
 from gpt.device import resolve_device, resolve_dtype
 from gpt.files import RunDir
-from gpt.machine import shared_cpu
+from gpt.machine import SharedCpu
 from gpt.progress import Log, StepTimer
 from gpt.shards import ShardLoader, check_vocab, load_meta
 from model import GPT, GPTConfig
@@ -93,15 +93,13 @@ def check_settings(settings):
     if init_from not in ("scratch", "resume") and not init_from.startswith("hf:"):
         from gpt.hints import bad_init_from  # nanoGPT's init_from=gpt2* gets a line of its own
         raise UserError(bad_init_from(init_from))
-    for key in ("max_iters", "batch_size", "eval_interval", "eval_iters", "log_interval",
-                "gradient_accumulation_steps"):
-        if settings[key] < 1:
-            raise UserError(f"{key} must be at least 1, got {settings[key]}")
+    for key, least in dict(max_iters=1, batch_size=1, eval_interval=1, eval_iters=1, log_interval=1,
+                           gradient_accumulation_steps=1, min_lr=0, weight_decay=0, grad_clip=0, warmup_iters=0,
+                           max_seconds=0, total_batch_size=0).items():
+        if settings[key] < least:
+            raise UserError(f"{key} must be at least {least}, got {settings[key]}")
     if settings["learning_rate"] <= 0:
         raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
-    for key in ("min_lr", "weight_decay", "grad_clip", "warmup_iters", "max_seconds", "total_batch_size"):
-        if settings[key] < 0:
-            raise UserError(f"{key} must be at least 0, got {settings[key]}")
     if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
         raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
     if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
@@ -115,11 +113,11 @@ def compile_backend(compile, device_type):
     return "inductor" if compile and device_type == "cuda" else None
 
 
-def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=False,
-                    muon_momentum=DEFAULTS["muon_momentum"]):
+def make_optimizers(model, settings, device_type, sharded=False):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
     matrices inside the blocks, and AdamW the embeddings (an nn.Embedding's rows are lookups, not a map to
     orthogonalize, also inside a block), the head, norms and biases. optimizer_step sets the learning rate."""
+    optimizer, weight_decay = settings["optimizer"], settings["weight_decay"]
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
@@ -132,14 +130,14 @@ def make_optimizers(model, optimizer, weight_decay, betas, device_type, sharded=
         else:
             other_matrices.append(param)
     groups = [dict(params=other_matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)]
-    adamw = torch.optim.AdamW(groups, betas=betas, fused=device_type == "cuda")
+    adamw = torch.optim.AdamW(groups, betas=(settings["beta1"], settings["beta2"]), fused=device_type == "cuda")
     if optimizer == "adamw":
         return [adamw]
     from gpt.muon import Muon as muon  # torch's Muon, orthogonalizing in float32 on a CPU
     if sharded:
         from gpt.parallel import ShardedMuon as muon  # FSDP's sharded matrices: gathered to be orthogonalized
     # match_rms_adamw scales Muon's update to AdamW's size, so one learning_rate serves both
-    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, momentum=muon_momentum,
+    return [adamw, muon(hidden_matrices, weight_decay=weight_decay, momentum=settings["muon_momentum"],
                         adjust_lr_fn="match_rms_adamw")]
 
 
@@ -239,7 +237,7 @@ def train(settings, run_dir):
         from gpt.parallel import start_processes
         rank, world_size, device = start_processes(device)
     log, device_type = Log(run_dir, settings["max_iters"]), device.split(":")[0]
-    cpu = shared_cpu(device, settings["threads"])  # on a CPU, the cores other processes leave free: looked at meanwhile
+    cpu = SharedCpu(device, settings["threads"])  # on a CPU, the cores other processes leave free: looked at meanwhile
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # fp32 matmuls on tensor cores
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
@@ -291,9 +289,7 @@ def train(settings, run_dir):
         model = prepare(model, settings, device, ptdtype, backend)
     elif backend:
         model = torch.compile(model, backend=backend)
-    optimizers = make_optimizers(raw_model, settings["optimizer"], settings["weight_decay"],
-                                 (settings["beta1"], settings["beta2"]), device_type,
-                                 settings["fsdp"], settings["muon_momentum"])  # after FSDP's new parameters
+    optimizers = make_optimizers(raw_model, settings, device_type, settings["fsdp"])  # after FSDP's new parameters
     loader = ShardLoader(data_dir, "train", settings["batch_size"], settings["block_size"], seed=settings["seed"],
                          rank=rank, world_size=world_size, device=device)
     scaler = torch.amp.GradScaler(device_type, enabled=ptdtype == torch.float16)  # fp16 needs loss scaling
@@ -306,7 +302,7 @@ def train(settings, run_dir):
         run_dir.start(settings, resumed=checkpoint is not None)
         if checkpoint:  # the log goes on from the checkpoint: records a lost run logged after it go
             resume.keep_records_until(run_dir.log_path, resumed_at)
-    if cpu and (note_on_cpu := cpu.check()):  # the first look's end: torch's threads set before the first step
+    if note_on_cpu := cpu.check():  # the first look's end: torch's threads set before the first step
         log.say(note_on_cpu)
     tokens_per_iter = settings["batch_size"] * settings["block_size"] * micro_steps * world_size
     log.say(f"{raw_model.num_params() / 1e6:.2f}M parameters, {tokens_per_iter:,} tokens per iteration, "
@@ -385,7 +381,7 @@ def train(settings, run_dir):
             check_finite(loss, iter_num, ckpt_path)
             record = dict(iter=iter_num, time=timer.elapsed(), loss=loss, lr=lr, grad_norm=grad_norm.item())
             record |= timer.figures()
-            if cpu and (note_on_cpu := cpu.check()):  # the threads follow the load of other processes
+            if note_on_cpu := cpu.check():  # the threads follow the load of other processes
                 log.say(note_on_cpu)
             log.record(record)
             train_loss.zero_()

@@ -42,6 +42,7 @@ RUN = TINY + TWO_PROCESSES + ["--n_layer=2", "--dropout=0.0", "--gradient_accumu
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 RESUME = ["--max_iters=6", "--init_from=resume"]
 MUON = ["--optimizer=muon"]
+ADAMW = dict(train.DEFAULTS, optimizer="adamw", weight_decay=0.1)  # make_optimizers' settings
 BF16 = ["--max_iters=6", "--dtype=bfloat16"]
 # DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
 # (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
@@ -432,7 +433,7 @@ def cpu_run_optimizer_states(config=UNTIED):
     """The model and optimizer states of one step of a run on the CPU (unfused AdamW, as make_optimizers picks there)."""
     torch.manual_seed(0)
     model = GPT(config)
-    optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cpu")
+    optimizers = train.make_optimizers(model, ADAMW, "cpu")
     idx = torch.randint(0, config.vocab_size, (2, config.block_size))
     model(idx, idx)[1].backward()
     train.optimizer_step(model, optimizers, torch.amp.GradScaler("cpu", enabled=False), 1.0, 1e-3)
@@ -450,7 +451,7 @@ def test_a_cpu_checkpoint_resumes_with_fused_adamw_and_float16_loss_scaling():
     for fused in (False, True):  # this run's AdamW: as on a CPU, and as on CUDA
         model = GPT(UNTIED)
         model.load_state_dict(saved.state_dict())
-        optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cuda" if fused else "cpu")
+        optimizers = train.make_optimizers(model, ADAMW, "cuda" if fused else "cpu")
         load_optimizer_states(model, optimizers, copy.deepcopy(states))  # AdamW steps the loaded tensors in place
         assert [group["fused"] for group in optimizers[0].param_groups] == [fused] * 2
         scaler = torch.amp.GradScaler("cpu", enabled=True)  # float16's loss scaling
@@ -471,7 +472,7 @@ def test_a_resumed_fused_adamw_keeps_its_step_count_on_the_gpu():
         model = GPT(UNTIED)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cuda")
-        optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cuda")
+        optimizers = train.make_optimizers(model, ADAMW, "cuda")
         load_optimizer_states(model, optimizers, states)
         for group in optimizers[0].param_groups:
             assert group["fused"] is True
@@ -486,7 +487,7 @@ def fsdp_resumes_a_cpu_run(rank):
     _, states, _ = cpu_run_optimizer_states()  # the same on both ranks
     with torchrun_group():
         model = shard(GPT(UNTIED), torch.float32)
-        optimizers = train.make_optimizers(model, "adamw", 0.1, (0.9, 0.95), "cuda")
+        optimizers = train.make_optimizers(model, ADAMW, "cuda")
         load_optimizer_states(model, optimizers, states)
         result = (f"{[group['fused'] for group in optimizers[0].param_groups]} "
                   f"{all(len(optimizers[0].state[p]) == 3 for p in model.parameters())}")

@@ -825,7 +825,7 @@ def group_names(group, names):
 
 def test_make_optimizers_adamw_decays_matrices_only():
     model, settings, names, no_decay = optimizer_setup("adamw")
-    (adamw,) = train.make_optimizers(model, settings["optimizer"], settings["weight_decay"], (0.9, 0.95), "cpu")
+    (adamw,) = train.make_optimizers(model, settings, "cpu")
     assert isinstance(adamw, torch.optim.AdamW)
     decay = [g for g in adamw.param_groups if g["weight_decay"] == 0.1]
     zero = [g for g in adamw.param_groups if g["weight_decay"] == 0.0]
@@ -841,7 +841,7 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     each parameter in exactly one group; Muon the matrices inside the blocks, AdamW the other matrices with decay
     and the norms and biases without."""
     model, settings, names, no_decay = optimizer_setup("muon")
-    adamw, muon = train.make_optimizers(model, settings["optimizer"], settings["weight_decay"], (0.9, 0.95), "cpu")
+    adamw, muon = train.make_optimizers(model, settings, "cpu")
     assert isinstance(adamw, torch.optim.AdamW) and isinstance(muon, torch.optim.Muon)
     groups = [*adamw.param_groups, *muon.param_groups]
     assert sorted(names[id(p)] for g in groups for p in g["params"]) == sorted(names.values())  # each exactly once
@@ -853,9 +853,9 @@ def test_make_optimizers_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert {"layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= matrices & in_blocks
     assert {"embed_tokens.weight", "lm_head.weight"} <= adamw_groups[0.1]
     with pytest.raises(UserError, match="optimizer"):
-        train.make_optimizers(model, "sgd", 0.1, (0.9, 0.95), "cpu")
+        train.make_optimizers(model, dict(settings, optimizer="sgd"), "cpu")
     assert [g["momentum"] for g in muon.param_groups] == [0.95]  # torch's default, unless muon_momentum says
-    _, muon = train.make_optimizers(model, "muon", 0.1, (0.9, 0.95), "cpu", muon_momentum=0.9)
+    _, muon = train.make_optimizers(model, dict(settings, muon_momentum=0.9), "cpu")
     assert [g["momentum"] for g in muon.param_groups] == [0.9]
 
 
@@ -878,7 +878,7 @@ def test_muon_leaves_an_embedding_inside_a_block_to_adamw():
     """An edit that puts an embedding in a block (value embeddings) keeps it out of Muon's orthogonalization."""
     model, settings, names, _ = optimizer_setup("muon")
     model.layers[0].value_embed = torch.nn.Embedding(128, 32)
-    adamw, muon = train.make_optimizers(model, "muon", 0.1, (0.9, 0.95), "cpu")
+    adamw, muon = train.make_optimizers(model, settings, "cpu")
     assert any(p is model.layers[0].value_embed.weight for g in adamw.param_groups for p in g["params"])
     assert all(p is not model.layers[0].value_embed.weight for g in muon.param_groups for p in g["params"])
 
