@@ -161,8 +161,8 @@ def main(argv):
     settings = configure(DEFAULTS, argv)
     prompt = read_prompt(settings["prompt"])
     device = resolve_device(settings["device"])
-    from gpt.machine import shared_cpu
-    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
+    from gpt.machine import SharedCpu
+    cpu = SharedCpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     model, meta, _ = load_model(settings["out_dir"], device, torch.float32, settings["init_from"])
     config, tokenizer = model.config, Tokenizer(meta)
     layers = parse_indices(settings["layers"], config.n_layer, "layers")
@@ -177,7 +177,7 @@ def main(argv):
         raise UserError(f"the prompt is {len(ids)} tokens, but the model reads at most block_size="
                              f"{config.block_size}; shorten it")
 
-    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    busy_note = cpu.check()  # torch's threads: the cores other processes leave free
     if busy_note:
         print(busy_note, file=sys.stderr)
     _, weights = attention_weights(model, torch.tensor([ids], device=device))

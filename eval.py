@@ -154,8 +154,8 @@ def main(argv):
         except ImportError:
             raise UserError(LM_EVAL_MISSING) from None
     device = resolve_device(settings["device"])
-    from gpt.machine import shared_cpu
-    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
+    from gpt.machine import SharedCpu
+    cpu = SharedCpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     dtype = resolve_dtype(settings["dtype"], device)
     if settings["quantize"]:
         from gpt.quantize import check_quantize, quantize
@@ -166,7 +166,7 @@ def main(argv):
     if settings["quantize"]:
         quantize(model, settings["quantize"])
     tokenizer = Tokenizer(meta)
-    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    busy_note = cpu.check()  # torch's threads: the cores other processes leave free
     if busy_note:
         print(busy_note, file=sys.stderr)
     results = {}

@@ -24,7 +24,7 @@ from gpt import UserError
 from gpt.checkpoint import load_model
 from gpt.device import resolve_device, resolve_dtype
 from gpt.engine import Samples, compiles_by_default, decode_batch, graphs_by_default
-from gpt.machine import shared_cpu
+from gpt.machine import SharedCpu
 from gpt.sampling import check_sampling
 from gpt.tokenizer import Tokenizer
 
@@ -105,7 +105,7 @@ def main(argv):
     stops = check_settings(settings)
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
-    cpu = shared_cpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
+    cpu = SharedCpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
     if settings["quantize"]:
         from gpt.quantize import check_quantize, quantize
         check_quantize(settings["quantize"], device)
@@ -121,7 +121,7 @@ def main(argv):
     tokenizer = Tokenizer(meta)
     prompt = read_prompt(settings["prompt"])
     prompt_ids = encode_prompt(prompt, tokenizer, model, draft, settings["draft"])
-    busy_note = cpu and cpu.check()  # torch's threads: the cores other processes leave free
+    busy_note = cpu.check()  # torch's threads: the cores other processes leave free
     if busy_note:
         print(busy_note, file=sys.stderr)  # stdout stays the text
 

@@ -21,7 +21,7 @@ sample.py (--command sample): README's `python sample.py --prompt "ROMEO:"` (500
 times per cell, the median tokens/s; "beside training" is config/small.py training with torch's default threads (as
 a user's run would before this machine.py), restarted until the cell ends. Settings as above, through the
 environment (sample.py has no --threads): default and passive also set OMP_NUM_THREADS=<cores> (torch's count, kept:
-what sample.py did before it shared the CPU), auto sets nothing (machine.shared_cpu decides). The table's factor is
+what sample.py did before it shared the CPU), auto sets nothing (machine.SharedCpu decides). The table's factor is
 how many times slower than alone with the default, for both commands.
 """
 

@@ -13,21 +13,23 @@ BUSY_CORES = 0.5  # other processes' use, in cores, from which a run takes fewer
 
 
 def cpu_counters():
-    """(all, idle) CPU seconds of the machine (/proc/stat: user nice system idle iowait irq softirq steal) and this
-    process's own; None without /proc/stat."""
+    """(all, idle) CPU seconds of the machine (/proc/stat's first 8 fields) and this process's; None without it."""
     with contextlib.suppress(OSError, ValueError), open("/proc/stat") as f:
         ticks = [int(field) / os.sysconf("SC_CLK_TCK") for field in f.readline().split()[1:9]]
         return sum(ticks), ticks[3] + ticks[4], sum(os.times()[:2])
 
 
 class SharedCpu:
-    def __init__(self, threads=0, choose="pass --threads=N"):  # threads: the user's count (0: the cores left free)
-        torch.set_num_threads(threads or torch.get_num_threads())  # the same count again is a no-op
-        self.most, self.cores, self.choose, self.said = torch.get_num_threads(), os.cpu_count(), choose, False
-        fixed = threads > 0 or "OMP_NUM_THREADS" in os.environ or self.most <= 1  # one thread: none to take away
+    def __init__(self, device="cpu", threads=None):  # threads: --threads (0: the cores left free; None: none)
+        if threads:  # the user's count, kept
+            torch.set_num_threads(threads)
+        self.most, self.cores, self.said = torch.get_num_threads(), os.cpu_count(), False
+        self.choose = "set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N"
+        fixed = threads or "OMP_NUM_THREADS" in os.environ or self.most <= 1 or torch.device(device).type != "cpu"
         self.last, self.span, self.look_ends = None if fixed else cpu_counters(), LOOK_SECONDS, time.monotonic()
 
     def check(self):
+        """Threads set to the cores other processes leave free; a line the first time that is fewer, else None."""
         if self.last is None:
             return None
         time.sleep(max(0.0, self.look_ends + LOOK_SECONDS - time.monotonic()))  # the first look's end, once
@@ -44,9 +46,3 @@ class SharedCpu:
         self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
         return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so "
                 f"this run takes {threads} thread{'s' * (threads > 1)} (not {self.most}); stop them or {self.choose}")
-
-
-def shared_cpu(device, threads=None):  # threads: the command's --threads (0: the cores left free), None: it has none
-    if torch.device(device).type != "cpu" and not threads:
-        return None
-    return SharedCpu(threads or 0, choose="set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N")

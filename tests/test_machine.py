@@ -18,7 +18,7 @@ import attention
 import eval as evaluate
 import sample
 from gpt import machine
-from gpt.machine import SharedCpu, shared_cpu
+from gpt.machine import SharedCpu
 from model import GPT, GPTConfig
 from test_train import train_main, workdir  # noqa: F401 (workdir is a fixture)
 
@@ -115,10 +115,11 @@ def test_the_first_look_overlaps_what_the_process_does_meanwhile(two_threads, mo
 
 
 def test_a_command_shares_the_cpu_only_where_it_computes_on_it(two_threads):
-    assert shared_cpu("cuda:0") is None and shared_cpu("mps") is None
-    assert shared_cpu("cpu").choose == "set OMP_NUM_THREADS=N"  # a command without --threads
-    assert shared_cpu("cpu", threads=0).choose == "pass --threads=N"
-    assert shared_cpu("cuda", threads=2) is not None and torch.get_num_threads() == 2  # the threads it asks for
+    assert SharedCpu("cuda:0").last is None and SharedCpu("mps").last is None  # no look: check() says nothing
+    assert SharedCpu("cpu").last is not None
+    assert SharedCpu("cpu").choose == "set OMP_NUM_THREADS=N"  # a command without --threads
+    assert SharedCpu("cpu", threads=0).choose == "pass --threads=N"
+    assert SharedCpu("cuda", threads=2).last is None and torch.get_num_threads() == 2  # the threads it asks for
 
 
 def test_what_the_user_chose_is_kept(two_threads, monkeypatch):
