@@ -30,7 +30,7 @@ from configurator import configure
 from gpt import UserError
 from gpt.checkpoint import load_model
 from gpt.device import resolve_device
-from gpt.files import atomic_open, write_failure, write_json
+from gpt.files import atomic_open, failing_write, write_json
 from gpt.tokenizer import Tokenizer
 from sample import read_prompt
 
@@ -149,11 +149,8 @@ def draw(weights, layers, heads, group, labels, path):
             else:
                 ax.set_xticks([]), ax.set_yticks([])
     fig.tight_layout()
-    try:
-        with atomic_open(path) as f:
-            fig.savefig(f, format="png", dpi=100)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {write_failure(e)}") from None
+    with failing_write(path), atomic_open(path) as f:
+        fig.savefig(f, format="png", dpi=100)
     return fig
 
 

@@ -20,7 +20,7 @@ matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
 
 from gpt import UserError
-from gpt.files import atomic_open, write_failure
+from gpt.files import atomic_open, failing_write
 from gpt.metrics import read_jsonl
 
 
@@ -109,10 +109,8 @@ def across_seeds(runs, key):
 def save(fig, path):
     """Write the PNG atomically: a viewer never sees a half-written image."""
     try:
-        with atomic_open(path) as f:
+        with failing_write(path), atomic_open(path) as f:
             fig.savefig(f, format="png")
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {write_failure(e)}") from None
     finally:
         plt.close(fig)
 

@@ -1,5 +1,5 @@
-"""Files a run cannot afford to lose: written whole or not at all (atomic_open), one writer at a time in a folder
-(lock_folder), a failed write one line with the OS's reason; RunDir, train.py's out_dir as its rank 0 holds it."""
+"""Files a run cannot afford to lose: written whole or not at all (atomic_open), a failed write one line with the OS's
+reason (failing_write), one writer at a time in a folder (lock_folder); RunDir, train.py's out_dir as rank 0 holds it."""
 
 import contextlib
 import json
@@ -29,20 +29,16 @@ def atomic_open(path, mode="wb"):
         raise
 
 
-def write_failure(error):
-    """Why a write failed, in a few words ("No space left on device"): the OSError's, also where torch.save raised a
-    RuntimeError ("unexpected pos ...") while handling one; else the error's first line."""
-    cause = error if isinstance(error, OSError) else error.__context__
-    return getattr(cause, "strerror", None) or (str(error) or type(error).__name__).splitlines()[0]
-
-
 @contextlib.contextmanager
 def failing_write(path, way_on=""):
-    """A failed write of path (an OSError, torch's RuntimeError around one, an object torch cannot save) as one line."""
+    """A failed write of path as one line with the OS's reason ("No space left on device"), also where torch.save
+    raised a RuntimeError ("unexpected pos ...") while handling the OSError; else the error's first line."""
     try:
         yield
     except Exception as e:
-        raise UserError(f"could not write {path} ({write_failure(e)}){way_on}") from None
+        cause = e if isinstance(e, OSError) else e.__context__
+        reason = getattr(cause, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
+        raise UserError(f"could not write {path} ({reason}){way_on}") from None
 
 
 def write_json(path, obj, **dump_args):
@@ -65,7 +61,7 @@ def lock_folder(folder, holder):
         from gpt.hints import folder_in_use  # imported only on the error, as every hint
         raise UserError(folder_in_use(folder, holder)) from None
     except OSError as e:
-        raise UserError(f"cannot use out_dir {folder} ({write_failure(e)})") from None
+        raise UserError(f"cannot use out_dir {folder} ({e.strerror})") from None
     f.truncate(0)
     f.write(str(os.getpid()))
     f.flush()

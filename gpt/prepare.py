@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from gpt import UserError
-from gpt.files import atomic_open, write_failure
+from gpt.files import atomic_open
 from gpt.shards import HEADER_INTS, MAGIC, TOKEN_DTYPES
 
 
@@ -19,7 +19,7 @@ def dataset_file(path):
         with atomic_open(path) as f:
             yield f
     except OSError as e:
-        raise UserError(f"could not write {path} ({write_failure(e)}); no partial file was left: "
+        raise UserError(f"could not write {path} ({e.strerror or e}); no partial file was left: "
                         "fix that and run the same command again") from None
 
 

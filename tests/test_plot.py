@@ -111,8 +111,8 @@ def test_errors_end_the_script_with_one_line(tmp_path):
     write_run(tmp_path / "run")
     result = run_plot(str(tmp_path / "run"), "--out", str(tmp_path / "no-such-dir" / "x.png"))
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [f"error: cannot write {tmp_path / 'no-such-dir' / 'x.png'}: "
-                                                  "No such file or directory"]
+    assert result.stderr.strip().splitlines() == [f"error: could not write {tmp_path / 'no-such-dir' / 'x.png'} "
+                                                  "(No such file or directory)"]
     assert result.stdout == ""
 
 
