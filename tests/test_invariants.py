@@ -485,27 +485,23 @@ def test_a_token_changes_exactly_the_logits_of_its_receptive_field(name, device)
 # c, d: decoding
 
 
-@torch.inference_mode()
-def naive_greedy(model, idx, n):
-    """Recompute the whole sequence at every step, no cache."""
-    for _ in range(n):
-        idx = torch.cat([idx, model(idx)[0][:, -1].argmax(dim=-1, keepdim=True)], dim=1)
-    return idx
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_generate_equals_naive_loop(name, device, monkeypatch):
+    """generate's text is the naive loop's, which recomputes the whole sequence at every step and takes its last
+    logits' argmax: the full forward is causal (test_a_token_changes_exactly_the_logits_of_its_receptive_field), so
+    one full forward of generate's text gives every step's logits, and each token must be the argmax of its step's."""
     from gpt import sampling
     model = build(name, device)
     prompt = tokens(model, (2, 6), seed=4)
     n = model.config.block_size - 6
-    expected = naive_greedy(model, prompt, n)
     chosen_from = recording(monkeypatch, sampling, "sample_next_token")
-    assert torch.equal(model.generate(prompt, n, temperature=0.0), expected)
-    assert len(expected[:, 6:].unique()) > 3  # varied output: positions and context matter to the check
-    # and the logits it chose from, a full forward's: a monotone edit (a soft cap) that generate skips changes no token
+    out = model.generate(prompt, n, temperature=0.0)
     with torch.inference_mode():
-        assert_same_logits(torch.stack(chosen_from, 1), model(expected)[0][:, 5:-1], "generate")
+        naive_logits = model(out)[0][:, 5:-1]  # (2, n, V): step i's, of the text before token 6 + i
+    assert torch.equal(out[:, :6], prompt) and torch.equal(out[:, 6:], naive_logits.argmax(dim=-1))
+    assert len(out[:, 6:].unique()) > 3  # varied output: positions and context matter to the check
+    # and the logits it chose from, a full forward's: a monotone edit (a soft cap) that generate skips changes no token
+    assert_same_logits(torch.stack(chosen_from, 1), naive_logits, "generate")
 
 
 class NoTextTokenizer:
@@ -536,20 +532,22 @@ def greedy_settings(max_new_tokens, draft_k=3):
 
 
 @torch.inference_mode()
-def naive_greedy_sliding(model, prompt, n, logits=None):
-    """Greedy by recomputing the whole context every step, with the engine's documented window policy: when
-    the context would pass block_size, it restarts from its last block_size // 2 tokens. logits: a list that gets
-    each step's logits (V,)."""
-    context, out = list(prompt), []
-    for _ in range(n):
-        if len(context) > model.config.block_size:
-            context = context[-(model.config.block_size // 2):]
-        step_logits = model(torch.tensor([context], device=device_of(model)))[0][0, -1]
-        if logits is not None:
-            logits.append(step_logits)
-        out.append(int(step_logits.argmax()))
-        context.append(out[-1])
-    return out
+def sliding_window_logits(model, prompt, out):
+    """Each step's logits (len(out), V) of the naive greedy loop that recomputes its whole context at every step,
+    with the engine's documented window policy (when the context would pass block_size, it restarts from its last
+    block_size // 2 tokens), had it chosen the tokens out: one full forward per window, causal as the naive loop's
+    shorter ones (test_a_token_changes_exactly_the_logits_of_its_receptive_field)."""
+    text, block, start, starts = list(prompt) + list(out), model.config.block_size, 0, []
+    for end in range(len(prompt), len(text)):  # step end - len(prompt) reads text[start:end]
+        if end - start > block:
+            start = end - block // 2
+        starts.append(start)
+    logits = []
+    for start in sorted(set(starts)):
+        ends = [len(prompt) + step for step, s in enumerate(starts) if s == start]
+        window = model(torch.tensor([text[start:ends[-1]]], device=device_of(model)))[0][0]  # (T, V)
+        logits += [window[end - 1 - start] for end in ends]
+    return torch.stack(logits)
 
 
 def noised(model, seed, scale=0.03):
@@ -568,15 +566,15 @@ def test_speculative_greedy_equals_plain_greedy(name, device, monkeypatch):
     model = build(name, device)
     vocab, prompt = model.config.vocab_size, tokens(model, (5,), seed=5).tolist()
     n = model.config.block_size + 5  # past block_size: the context window slides once
-    expected_logits = []
-    expected = naive_greedy_sliding(model, prompt, n, expected_logits)
-    expected_logits = torch.stack(expected_logits)  # (n, V): each step's, a full forward of its context
-    assert len(set(expected)) > 3  # varied output, so that agreeing means something
 
-    # plain decoding and prompt lookup, by their tokens and by the logits they chose them from (see generate's test)
+    # plain decoding and prompt lookup, by their tokens and by the logits they chose them from (see generate's test):
+    # plain decoding's text is the naive loop's, each token the argmax of its step's logits as the naive loop has them
     plain, decoded = RecordingSamples(1, vocab), recording(monkeypatch, engine, "next_tokens")
     engine.decode_batch(model, prompt, greedy_settings(n), plain, torch.Generator(device).manual_seed(0))
+    expected_logits = sliding_window_logits(model, prompt, plain.tokens[0])  # (n, V)
+    expected = expected_logits.argmax(dim=-1).tolist()
     assert plain.tokens[0] == expected
+    assert len(set(expected)) > 3  # varied output, so that agreeing means something
     assert_same_logits(torch.cat(decoded), expected_logits, "decode_batch")
     lookup, checked = RecordingSamples(1, vocab), recording(monkeypatch, speculative, "next_tokens")
     speculative.decode_lookup(model, prompt, greedy_settings(n), lookup, torch.Generator(device))
@@ -661,13 +659,14 @@ def test_every_path_gives_the_logits_of_model_logits(name, monkeypatch, device):
     assert_capped_and_equal(torch.stack(generated, 1), model(out)[0][:, 5:15], "generate")
 
     prompt, n = tokens(model, (5,), seed=8).tolist(), block + 5  # past block_size: the window slides
-    expected = []
-    naive_greedy_sliding(model, prompt, n, expected)
-    expected = torch.stack(expected)  # (n, V)
+    expected = None  # (n, V): each step's logits, as the naive loop has them for the text the first path chose
     for path, settings in (("decode_batch", {}), ("decode_batch, static cache", dict(cuda_graph=True))):
-        decoded = recording(monkeypatch, engine, "next_tokens")
-        engine.decode_batch(model, prompt, dict(greedy_settings(n), num_samples=2, **settings),
-                            RecordingSamples(2, vocab), torch.Generator(device).manual_seed(0))
+        decoded, samples = recording(monkeypatch, engine, "next_tokens"), RecordingSamples(2, vocab)
+        engine.decode_batch(model, prompt, dict(greedy_settings(n), num_samples=2, **settings), samples,
+                            torch.Generator(device).manual_seed(0))
+        if expected is None:
+            expected = sliding_window_logits(model, prompt, samples.tokens[0])
+        assert samples.tokens == [expected.argmax(dim=-1).tolist()] * 2, path  # greedy: the naive loop's text
         for row in range(2):
             assert_capped_and_equal(torch.stack([logits[row] for logits in decoded]), expected, f"{path}, sample {row}")
     checked = recording(monkeypatch, speculative, "next_tokens")
