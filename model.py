@@ -108,7 +108,7 @@ class Positions:
 
 def rotary_table(ids, head_dim, base):
     """RoPE's cos and sin (T, 1, hd) at positions ids (T,): pair i's angle p * base^(-2i/hd) at i and i + hd/2, the
-    sin's first half negated for rope. fp32 even under bf16 autocast: long contexts need it."""
+    sin's first half negated for rope. The angles in fp32 whatever the model's dtype: long contexts need it."""
     inv_freq = base ** (torch.arange(0, head_dim, 2, device=ids.device) / -head_dim)  # (hd/2,)
     angles = (ids[:, None] * inv_freq)[:, None, :]  # (T, 1, hd/2)
     sin = angles.sin()
@@ -117,10 +117,12 @@ def rotary_table(ids, head_dim, base):
 
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
-    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in fp32 (upcast once: CUDA's kernels mixing dtypes are slow)."""
-    x32 = in_dtype(x, torch.float32)  # (B, T, h, hd)
-    x1, x2 = x32.chunk(2, dim=-1)
-    return in_dtype(torch.addcmul(x32 * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin), x.dtype)
+    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in x's dtype, cos and sin rounded to it as Llama's and nanochat's
+    bf16 rope do (in fp32 it took an upcast and a downcast a call: 48 more kernels a GPT-2-small decode step)."""
+    if positions.cos.dtype != x.dtype:  # under autocast: cast once a forward, for all layers
+        positions.cos, positions.sin = positions.cos.to(x.dtype), positions.sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, h, hd/2) each
+    return torch.addcmul(x * positions.cos, torch.cat((x2, x1), dim=-1), positions.sin)
 
 
 def can_attend(query_pos, key_pos, config, layer, tokens):
@@ -178,7 +180,8 @@ class KVCache:
         self.k, self.v = torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype)
         self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)  # each slot's token id
         self.layer_ids = torch.arange(n_layer, device=device)  # indices as a tensor: see update
-        self.rotary = rotary_table(torch.arange(max_len, device=device), head_dim, rope_base)  # (max_len, 1, hd) each
+        self.rotary = tuple(t.to(self.k.dtype) for t in rotary_table(torch.arange(max_len, device=device), head_dim,
+                                                                     rope_base))  # (max_len, 1, hd) each, as k
         self.max_len, self.static = max_len, static
         self.pos = 0  # how many positions are filled; the next token goes here
 
