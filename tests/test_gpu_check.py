@@ -1,6 +1,10 @@
 """bench/gpu_check.py: --tiny on the CPU runs every row a GPU owner's check runs, here with a tiny model, so that the
 first GPU session finds a script that works (its figures there are the point; here they are not); and a row that
-fails is reported with its error line and last output lines while the rows after it still run."""
+fails is reported with its error line and last output lines while the rows after it still run.
+
+The check's own runs (Runs, below) start in the background with the first test that reads one, and the tests come in
+the order their rows end: the paced runs' rows, the tests that run no check (the background run goes on meanwhile),
+then the background run's rows and the tests of the whole check."""
 
 import importlib.util
 import json
@@ -8,6 +12,7 @@ import math
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import FAKE_CUDA_DIR, NO_FAKE_CUDA
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "gpu_check.py")
 ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "resume", "resume_ddp", "resume_fsdp", "fp16", "bf16",
@@ -24,17 +31,51 @@ ROWS = ["tests", "data", "train_eager", "train", "ddp", "fsdp", "resume", "resum
 TRAINING = ["train_eager", "train", "ddp", "fsdp", "fp16", "bf16"]
 RESUMED = {"resume": "train", "resume_ddp": "ddp", "resume_fsdp": "fsdp"}  # and the row each resumes the run of
 ITERS = 12  # --tiny's
-# Rows the whole check below leaves out (--skip): each runs what another row of it runs (resume's resume(), int8's
-# quantized_decodes, the draft row's speculative decoding and its output's acceptance line) with other settings, 5
-# commands and ~55 s of the two cores. What those settings build is checked with the commands faked
+# Rows the check on the CPU below leaves out (--skip): each runs what another row of it runs (resume's resume(),
+# int8's quantized_decodes, the draft row's speculative decoding and its output's acceptance line) with other
+# settings, 5 commands and ~55 s of the two cores. What those settings build is checked with the commands faked
 # (test_the_left_out_rows_build_their_rows_commands); what the runs prove, where it lives: DDP's and FSDP's exact
 # resumes in tests/test_parallel.py, w8a8 compiled decoding eager's text in tests/test_quantize.py, compiled prompt
 # lookup eager's in tests/test_sample.py.
 LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8", "lookup"]
-# The whole check's rows side by side where none reads another's (--jobs): each row still runs all its commands, they
-# only share the machine. Of its ~20 commands (each a fresh process importing torch, two compiling a decode step),
-# three at a time keep two cores busy
+# The check on the CPU (--device=cpu: every command is seen to carry it), in groups of rows, each group a run of its
+# own (--skip leaves out the other groups' rows; each runs data, which the training rows need), so that no test waits
+# for the whole check: in one run it took ~90 s of the two cores, its compiled decodes ~30 and ~23 s of one (inductor's
+# cache is cold in a test session), and a test may take 15 s, its setup included. A row reads only rows of its own
+# group (gpu_check's READS; train's run, which the decoding group runs again). Every row but tests and LEFT_OUT runs
+# in a group
+GROUPS = {
+    "ddp": ["ddp"],
+    "fsdp": ["fsdp"],
+    "precision": ["fp16", "bf16", "memory"],
+    # train's speed over train_eager's; resume reads train's losses, eval its checkpoint
+    "training": ["train_eager", "train", "resume", "eval"],
+    # the compiled decodes read train's checkpoint (draft graphs' greedy texts too)
+    "decoding": ["train", "int8", "graphs", "draft"],
+}
+# The check with faked CUDA (tests/fake_cuda), with each --device spelling: (spelling, the card's compute capability)
+FAKE = {"one_card": ("cuda:1", (7, 5)), "every_card": ("auto", (8, 0))}  # plain cuda: as auto
+# Each row's commands once across the two spellings (a command's device plumbing is the same row function under
+# either): the one-card T4 run keeps the rows whose settings follow the card (fsdp in float32, bf16 skipped) and torchrun
+# shown one card; the two-card run the rows on every card (ddp over both, memory) and bf16 where the card has it
+SKIPPED = {"cuda:1": ["train", "ddp", "memory"], "auto": ["train_eager", "fsdp", "fp16"]}
+# The runs, in two lanes of one run after another (Runs). PACED: in the order the tests read them, rows ending a few
+# seconds apart, each a test's wait; first the torchrun rows, alone (their two processes keep both cores busy: beside
+# another run they took half as long again). BACKGROUND: the decoding group, ~75 s of one core, beside the paced runs
+# from BESIDE on: it has ended when its tests come, after the tests that run no check. It runs one row at a time
+# (--jobs=1, as on a GPU), one core's worth, and leaves the other to the paced runs (nice would not make it give way:
+# gpu_check runs each command in a session of its own, and where the kernel shares the CPU between sessions first, as
+# Linux's autogroup does, nice counts within a session only)
+PACED = ["ddp", "fsdp", "training", "precision", "one_card", "every_card"]
+BACKGROUND, BESIDE = ["decoding"], "training"
+# Rows side by side where none reads another's (--jobs), as CI may run the check: each row still runs all its
+# commands, they only share the machine, and the figures' checks hold all the same. On faked CUDA three at a time; on
+# the CPU, beside the background run, only where no row then outlasts a test's wait: fp16 and bf16, then memory. The
+# other groups' rows read each other's runs (train_eager's, train's), but for resume and eval, which side by side took
+# 15 s: one at a time
 JOBS = "--jobs=3"
+CPU_JOBS = {"precision": 2}  # --jobs=1 for the other groups
+TIMEOUT = 600  # seconds a run may take
 SCRIPTS = ("train.py", "sample.py", "eval.py")
 LM_EVAL = importlib.util.find_spec("lm_eval") is not None  # the eval row runs lm-eval tasks only where it imports
 
@@ -46,108 +87,273 @@ def load_script():
     return module
 
 
+# ----------------------------------------------------------------------------------------------------
+# The check's runs, in the background
+
+
+def run_command(name, out, environ):
+    """The command and environment (from environ) of a run: a group of the check on the CPU, or the check on faked
+    CUDA."""
+    env = dict(environ, OMP_NUM_THREADS="1")
+    if name in GROUPS:
+        skip = [row for row in ROWS[1:] if row not in ["data", *GROUPS[name]]]  # LEFT_OUT among them
+        return [sys.executable, SCRIPT, "--tiny", "--no_tests", "--device=cpu", f"--jobs={CPU_JOBS.get(name, 1)}",
+                f"--out={out}", f"--skip={','.join(skip)}"], env
+    spelling, capability = FAKE[name]
+    # as the fake_cuda fixture (tests/conftest.py) shows it to a test's subprocesses: every command inherits it
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [FAKE_CUDA_DIR, environ.get("PYTHONPATH")])),
+               FAKE_CUDA="{}.{}".format(*capability))
+    return [sys.executable, SCRIPT, "--tiny", "--no_tests", f"--device={spelling}", JOBS, f"--out={out}",
+            f"--skip={','.join(SKIPPED[spelling])}"], env
+
+
+GPU_HERE = "this machine has CUDA: its commands would get past the first allocation"  # for the runs on faked CUDA
+
+
+def why_not(name):
+    """Why a run cannot show anything on this machine, or None."""
+    if name in GROUPS:
+        return "on a GPU, run bench/gpu_check.py itself" if torch.cuda.is_available() else None
+    return GPU_HERE if torch.cuda.is_available() else NO_FAKE_CUDA  # faked CUDA needs a CPU-only torch
+
+
+def interrupt(proc):
+    """End a run as Ctrl-C would: gpu_check then ends its commands, which run in sessions of their own (out of a
+    kill's reach); killed if it has not ended a minute later."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Runs:
+    """Runs of bench/gpu_check.py in lanes [(after, [names])], each lane its runs one after another from when the run
+    after has started (None: at once). A test waits for the rows it reads (row: gpu_check saves its JSON after every
+    row) or for a run's end (result). A run gets the environment of the start, not one that a test running when it
+    starts has changed (fake_cuda's); why_not is read at the start too, before a test fakes CUDA in this process."""
+
+    def __init__(self, folder, lanes):
+        self.folder, self.lock, self.stopping, self.procs = folder, threading.Lock(), False, {}
+        self.environ, self.why_not = dict(os.environ), {name: why_not(name) for name in [*GROUPS, *FAKE]}
+        self.started = {name: threading.Event() for _, names in lanes for name in names}
+        self.ended = {name: threading.Event() for _, names in lanes for name in names}
+        self.threads = [threading.Thread(target=self.lane, args=lane, daemon=True) for lane in lanes]
+        for thread in self.threads:
+            thread.start()
+
+    def path(self, name, suffix):
+        return self.folder / f"{name}.{suffix}"
+
+    def lane(self, after, names):
+        try:
+            if after:
+                self.started[after].wait()
+            for name in names:
+                command, env = run_command(name, self.path(name, "json"), self.environ)
+                with self.lock:
+                    if self.stopping:
+                        return
+                    with open(self.path(name, "stdout"), "w") as stdout, open(self.path(name, "stderr"), "w") as err:
+                        proc = self.procs[name] = subprocess.Popen(command, stdout=stdout, stderr=err, text=True,
+                                                                   env=env)
+                self.started[name].set()
+                try:
+                    proc.wait(TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    interrupt(proc)
+                self.ended[name].set()
+        finally:  # a run that never started has ended too: its tests fail rather than wait, and no lane waits for it
+            for name in names:
+                self.started[name].set()
+                self.ended[name].set()
+
+    def saved(self, name):
+        """The run's JSON as saved last (whole: gpu_check writes it to a temp file and renames it), or None."""
+        path = self.path(name, "json")
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def output(self, name):
+        return "".join(self.path(name, suffix).read_text() for suffix in ("stdout", "stderr")
+                       if self.path(name, suffix).exists())
+
+    def row(self, name, row):
+        """A row's result, once the run has saved it."""
+        if self.why_not[name]:
+            pytest.skip(self.why_not[name])
+        while True:
+            ended = self.ended[name].is_set()  # before reading: a run that has ended saved its rows before
+            rows = (self.saved(name) or {}).get("rows", {})
+            if row in rows:
+                return rows[row]
+            if ended:
+                pytest.fail(f"the {name} run ended without the {row} row\n{self.output(name)}")
+            self.ended[name].wait(0.2)
+
+    def result(self, name):
+        """An ended run: its CompletedProcess (result), stdout and stderr together (output), and JSON (figures)."""
+        if self.why_not[name]:
+            pytest.skip(self.why_not[name])
+        self.ended[name].wait()
+        proc = self.procs.get(name)
+        if proc is None:
+            pytest.fail(f"the {name} run never started")
+        stdout, stderr = (self.path(name, suffix).read_text() for suffix in ("stdout", "stderr"))
+        return SimpleNamespace(result=subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+                               output=stdout + stderr, figures=self.saved(name))
+
+    def stop(self):
+        """No run starts any more, and those still running end (tests deselected, or one failed)."""
+        with self.lock:
+            self.stopping = True
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                interrupt(proc)
+        for thread in self.threads:
+            thread.join()
+
+
+def runs_read(item):
+    """The runs a test reads: the one it is parametrized with (run), or every group of the check on the CPU."""
+    if "runs" not in item.fixturenames:
+        return set()
+    run = item.callspec.params.get("run") if hasattr(item, "callspec") else None
+    return {run} if run else set(GROUPS)
+
+
 @pytest.fixture(scope="module")
-def check(tmp_path_factory):
-    """One run of the whole check, tiny, on the CPU, with --device=cpu (but the LEFT_OUT rows): every command is seen
-    to carry it. Rows run side by side (JOBS), as CI may run it: the figures' checks below hold all the same."""
+def runs(request, tmp_path_factory):
+    """The runs this module's selected tests read, and only those, started now (the first test that reads one)."""
+    read = set().union(*(runs_read(item) for item in request.session.items
+                         if getattr(item, "module", None) is request.module))
+    read = {name for name in read if not why_not(name)}
+    runs = Runs(tmp_path_factory.mktemp("gpu_check"), [(None, [name for name in PACED if name in read]),
+                                                        (BESIDE if BESIDE in read else None,
+                                                         [name for name in BACKGROUND if name in read])])
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="module")
+def checks(runs):
+    """Every group's run of the check on the CPU, ended: {group: (result, output, figures)}."""
+    return {group: runs.result(group) for group in GROUPS}
+
+
+def ran_in(name):
+    """The group a row's result is read from: the first that runs it (train runs in two); tests and LEFT_OUT run in
+    none (the first group's skip)."""
+    return next((group for group, names in GROUPS.items() if name in names), next(iter(GROUPS)))
+
+
+def merged(checks):
+    """The rows of the check on the CPU as one run's: each row's result from the group that ran it."""
+    return {name: checks[ran_in(name)].figures["rows"][name] for name in ROWS}
+
+
+def assert_row_passes(runs, run, row):
+    result = runs.row(run, row)
+    assert result["status"] == "PASS", (result, runs.output(run))
+    assert "output_tail" not in result  # kept for failures only
+
+
+# ----------------------------------------------------------------------------------------------------
+# The paced runs' rows, in the order they end
+
+
+@pytest.mark.parametrize("run, row", [(group, row) for group in PACED if group in GROUPS
+                                      for row in ["data", *GROUPS[group]]])
+def test_each_row_passes_in_its_groups_run_on_the_cpu(runs, run, row):
+    """Each row of the paced groups, as it ends (test_every_row_runs_and_passes_on_the_cpu checks the whole runs)."""
+    assert_row_passes(runs, run, row)
+
+
+# Where a CPU-only torch stops a command on faked CUDA: the first call that needs the CUDA runtime (an allocation),
+# or, for torchrun's processes, the NCCL process group (a CPU build has no NCCL): past the repo's own setup either way
+NO_CUDA_RUNTIME = "AssertionError: libcudart functions unavailable"
+NO_NCCL = "RuntimeError: Distributed package doesn't have NCCL built in"
+
+
+def fake_skips(run):
+    """The rows a run on faked CUDA skips: --no_tests, w8a8 (a CPU mode), SKIPPED, bf16 on a card without it."""
+    spelling, capability = FAKE[run]
+    return {"tests", "w8a8", *SKIPPED[spelling], *(["bf16"] if capability < (8, 0) else [])}
+
+
+def fake_commands(run):
+    """The rows that run a training command on faked CUDA: the one-process ones, then torchrun's (ending last)."""
+    return [name for name in ["train_eager", "train", "fp16", "memory", "bf16", "ddp", "fsdp"]
+            if name not in fake_skips(run)]
+
+
+def fake_cuda_for(fake_cuda, run):
+    """The test of a run on faked CUDA skipped where the run cannot show anything, as the fake_cuda fixture skips it
+    on a torch built with CUDA (tests/test_cuda_build.py checks that each test that takes the fixture does); the
+    run's commands get the fake through their environment (run_command), as the fixture gives it to a test's."""
     if torch.cuda.is_available():
-        pytest.skip("on a GPU, run bench/gpu_check.py itself")
-    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
-    result = subprocess.run([sys.executable, SCRIPT, "--tiny", "--no_tests", "--device=cpu", JOBS, f"--out={out}",
-                             f"--skip={','.join(LEFT_OUT)}"], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return SimpleNamespace(result=result, output=result.stdout + result.stderr,
-                           figures=json.loads(out.read_text()) if out.exists() else None)
+        pytest.skip(GPU_HERE)
+    fake_cuda(FAKE[run][1])
 
 
-def test_every_row_runs_and_passes_on_the_cpu(check):
-    assert check.result.returncode == 0, check.output
-    rows = check.figures["rows"]
-    assert list(rows) == ROWS  # every row in the JSON, in order
-    assert rows["tests"]["status"] == "SKIP" and rows["tests"]["key"] == "skipped: --no_tests"
-    assert all(rows[name]["status"] == "SKIP" and rows[name]["key"] == "skipped: --skip" for name in LEFT_OUT)
-    assert all(rows[name]["status"] == "PASS" for name in ROWS[1:] if name not in LEFT_OUT), check.output
-    assert not any("output_tail" in row for row in rows.values())  # kept for failures only
+@pytest.mark.parametrize("run, row", [(run, row) for run in FAKE for row in ["data", *fake_commands(run)]])
+def test_on_a_gpu_every_command_gets_the_device_and_stops_where_a_cpu_torch_must(fake_cuda, runs, run, row):
+    """The check with each --device spelling on faked CUDA (inherited by every command through PYTHONPATH), each
+    training row run under one of the two (SKIPPED): each training command gets that device (torchrun's, for one named
+    card, plain cuda: it is shown that card alone), gets through its setup and stops where a CPU-only torch must (its
+    first CUDA allocation; NCCL under torchrun), the row failing with the command's own error line and keeping its last
+    lines. A compute capability 7.5 card (a T4) runs FSDP in float32. The data row, which needs no GPU, passes."""
+    fake_cuda_for(fake_cuda, run)
+    result, (spelling, capability) = runs.row(run, row), FAKE[run]
+    if row == "data":  # the run's first row to end: a wait of its own
+        assert result["status"] == "PASS", (result, runs.output(run))
+        return
+    one_process = "torch.distributed.run" not in result["commands"][0]
+    # the command's own error line: its last line, or under torchrun a worker's, above torchrun's report
+    assert result["status"] == "FAIL", result
+    assert result["error"].endswith(" (exit 1)") and result["error"][:-9] in [line.strip()
+                                                                            for line in result["output_tail"]]
+    assert not one_process or result["error"] == result["output_tail"][-1].strip() + " (exit 1)", result
+    assert result["error"].startswith(NO_CUDA_RUNTIME if one_process else NO_NCCL), result["error"]
+    torchrun_device = "cuda" if spelling == "cuda:1" else spelling
+    device = f"--device={spelling if one_process else torchrun_device}"
+    assert device in result["commands"][0].split(), result["commands"]  # whole: --device=cuda:1 starts as cuda's
+    if not one_process:
+        processes = 1 if spelling == "cuda:1" else 2
+        assert f"--nproc_per_node={processes}" in result["commands"][0]
+    if row == "fsdp" and capability < (8, 0):
+        assert result["commands"][0].endswith("--dtype=float32")  # FSDP takes no float16; a T4 has no bfloat16
 
 
-def test_the_figures_are_sane(check):
-    rows = {name: row.get("figures") for name, row in check.figures["rows"].items()}
-    for name in TRAINING:
-        figures = rows[name]
-        assert figures["ms_per_iter"] > 0 and figures["tokens_per_sec"] > 0 and figures["first_step_s"] > 0, name
-        assert math.isfinite(figures["final_loss"]) and figures["iters"] == ITERS, name
-        assert figures["peak_memory_gb"] is None and figures["compiled_graphs"] is None, name  # CUDA only
-    assert [rows[name]["precision"] for name in TRAINING] == ["float32"] * 4 + ["float16", "bfloat16"]
-    # one global batch: one process (2 micro-steps), DDP and FSDP x2 (1 each; FSDP with activation checkpointing,
-    # which recomputes the same thing) train the same model on the same data, in float32 (measured: equal)
-    losses = [rows[name]["final_loss"] for name in ("train_eager", "train", "ddp", "fsdp")]
-    assert max(losses) - min(losses) < 1e-5, losses
-    # the same run in float16 and bfloat16 autocast ends near it (measured: 1.3e-5 and 7e-6 away)
-    assert all(abs(rows[name]["final_loss"] - losses[0]) < 1e-3 for name in ("fp16", "bf16"))
-    assert ITERS // 2 < rows["fp16"]["optimizer_steps"] <= ITERS and rows["fp16"]["scaler_scale"] > 0
-    assert rows["train"]["speedup_over_eager"] > 0
-    assert rows["memory"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # measured on CUDA only
-    for row in ("int8", "graphs"):
-        for decode in (rows[row]["eager"], rows[row]["compiled"]):
-            assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
-        assert rows[row]["compiled_over_eager"] > 0
-    # resumed halfway, each run's losses after it are the unbroken run's (read from that row's run), on the CPU to
-    # the last bit (measured: equal)
+@pytest.mark.parametrize("run", FAKE)
+def test_on_a_gpu_failing_rows_stop_none(fake_cuda, runs, run):
+    """The rest of the check on faked CUDA: every row still runs, the resume rows fail for want of the runs they resume
+    (running nothing), the eval and decoding rows for want of train's checkpoint, w8a8 is skipped (a CPU mode), a T4
+    skips bf16, and the check exits 1 after its summary. The rows run side by side (JOBS), as CI may run them."""
+    fake_cuda_for(fake_cuda, run)
+    check, (spelling, capability) = runs.result(run), FAKE[run]
+    assert check.result.returncode == 1, check.output
+    figures = check.figures
+    rows, skips = figures["rows"], fake_skips(run)
+    index = 1 if spelling == "cuda:1" else 0
+    assert list(rows) == ROWS and figures["summary"][0] == f"gpu_check on Fake GPU (cuda:{index} of 2 visible), " \
+                                                          f"compute capability {capability[0]}.{capability[1]}"
+    assert [rows[name]["status"] for name in ROWS] == \
+        ["SKIP" if name in skips else "PASS" if name == "data" else "FAIL" for name in ROWS]
+    assert all(rows[name]["key"] == "skipped: --skip" and rows[name]["commands"] == [] for name in SKIPPED[spelling])
     for name, unbroken in RESUMED.items():
-        if name in LEFT_OUT:
-            continue
-        figures = rows[name]
-        assert figures["resumed_at"] == ITERS // 2 and figures["iters"] == ITERS and figures["tolerance"] == 1e-5
-        assert figures["unbroken_final_loss"] == rows[unbroken]["final_loss"], name
-        assert figures["largest_difference"] <= 1e-5
-        assert abs(figures["final_loss"] - rows[unbroken]["final_loss"]) <= 1e-5, name
-    # bits per byte of the val split: characters are bytes, so it is the loss in bits; below a uniform guess's
-    assert rows["eval"]["tokens"] == rows["eval"]["bytes"] > 100_000
-    assert rows["eval"]["bits_per_byte"] == pytest.approx(rows["eval"]["loss"] / math.log(2), rel=1e-9)
-    assert 0 < rows["eval"]["bits_per_byte"] < math.log2(128)
-    if LM_EVAL:
-        assert 0 <= rows["eval"]["choice_acc"] <= 1 and 0 < rows["eval"]["text_bits_per_byte"] < math.inf
-    # the draft proposed tokens and some were kept: the text was not all the model's
-    assert rows["draft"]["tokens"] == 64 and 0 < rows["draft"]["accepted"] <= rows["draft"]["proposed"]
-    assert math.isfinite(rows["draft"]["draft_final_loss"])
+        assert rows[name]["error"] == f"needs the {unbroken} row's losses to compare with, and it logged none"
+        assert rows[name]["commands"] == []
+    for name in ("eval", "int8", "graphs", "lookup", "draft"):
+        assert rows[name]["error"] == "needs the train row, which failed before writing its checkpoint", name
+    assert rows["w8a8"]["key"] == "skipped: w8a8 is a CPU mode; on a GPU use --quantize=int8"
+    assert "\n".join(figures["summary"]) in check.result.stdout
+    failed = len(ROWS) - len(skips) - 1
+    assert figures["summary"][-1] == f"rows: 1 PASS, {failed} FAIL, {len(skips)} SKIP"
 
 
-def test_each_row_ran_the_command_a_user_would(check):
-    rows = check.figures["rows"]
-    commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
-    # training 6, resume 2 (LEFT_OUT: not its ddp and fsdp runs), memory 2, eval 1 (+ 1 with lm-eval), int8 2 (not
-    # w8a8's 2), graphs 2, draft 2 (training it, and decoding: plain greedy's text is graphs'; not lookup's 1)
-    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 2 + 2, commands
-    assert all("--device=cpu" in c for c in commands), commands
-    assert "--nproc_per_node=2" in rows["ddp"]["commands"][0] and "--compile=True" in rows["ddp"]["commands"][0]
-    assert "--fsdp=True --activation_checkpointing=True" in rows["fsdp"]["commands"][0]
-    assert_resumes_the_same_command(rows, "resume")
-    assert "--dtype=float16" in rows["fp16"]["commands"][0] and "--dtype=bfloat16" in rows["bf16"]["commands"][0]
-    assert "eval.py --out_dir=" in rows["eval"]["commands"][0]
-    assert rows["eval"]["commands"][1].endswith("-c 'import lm_eval'")  # whether lm-eval imports here
-    if LM_EVAL:
-        assert "--tasks=gpu_check_choice,gpu_check_text --include_path=" in rows["eval"]["commands"][2]
-    assert "--quantize=int8 --compile=False" in rows["int8"]["commands"][0]
-    assert "--quantize=int8 --compile=True" in rows["int8"]["commands"][1]
-    assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
-    assert "train.py" in rows["draft"]["commands"][0]
-    assert rows["draft"]["commands"][0].endswith("--n_layer=1 --compile=False")
-    assert "--draft=" in rows["draft"]["commands"][1] and rows["draft"]["commands"][1].endswith("--compile=False")
-    # side by side, each row's commands are in the log together, under its own header
-    with open(check.figures["log"]) as f:
-        blocks = dict(re.findall(r"===== row (\w+) =====\n(.*?)(?=\n===== row |\Z)", f.read(), re.S))
-    assert sorted(blocks) == sorted(ROWS)
-    for name, row in rows.items():
-        assert [line[2:] for line in blocks[name].splitlines() if line.startswith("$ ")] == row["commands"], name
-
-
-def assert_resumes_the_same_command(rows, name):
-    """A resume row trains its unbroken row's run (the same command, but for its out_dir) in two, on one schedule."""
-    unbroken = RESUMED[name]
-    half, resumed = (re.sub(r" --out_dir=\S+", "", c) for c in rows[name]["commands"])
-    unbroken_command = re.sub(r" --out_dir=\S+", "", rows[unbroken]["commands"][0])
-    assert half == unbroken_command + f" --max_iters={ITERS // 2} --lr_decay_iters={ITERS}", (half, unbroken)
-    assert resumed == unbroken_command + f" --init_from=resume --max_iters={ITERS} --lr_decay_iters={ITERS}"
+# ----------------------------------------------------------------------------------------------------
+# Tests that run no check: meanwhile the decoding group goes on
 
 
 def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
@@ -192,20 +398,6 @@ def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
     assert rows["lookup"]["commands"] == [rows["graphs"]["commands"][1].replace("--compile=True",
                                                                               "--draft=lookup --compile=True")]
     assert (rows["lookup"]["figures"]["accepted"], rows["lookup"]["figures"]["proposed"]) == (20, 40)
-
-
-def test_the_summary_is_printed_saved_and_says_these_are_not_gpu_figures(check):
-    summary = check.figures["summary"]
-    assert "\n".join(summary) in check.result.stdout
-    assert summary[0] == "gpu_check on CPU (no GPU: these are not GPU figures)"
-    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"  # a CUDA build without a GPU says so
-    assert summary[1].startswith(f"torch {torch.__version__}, {build}")
-    assert summary[2].startswith("command: python bench/gpu_check.py --tiny")
-    for name, line in zip(ROWS, summary[3:]):
-        assert line.split()[:2] == [name, check.figures["rows"][name]["status"]]
-    assert "compile unused: train.py compiles on CUDA only" in summary[ROWS.index("ddp") + 3]
-    assert summary[-1] == f"rows: {17 - len(LEFT_OUT)} PASS, 0 FAIL, {1 + len(LEFT_OUT)} SKIP"
-    assert "not GPU figures" in check.figures["device"] and check.figures["gpu"] is False
 
 
 def test_a_failing_row_is_reported_with_its_error_and_the_rest_still_run(tmp_path):
@@ -341,29 +533,6 @@ def test_a_training_run_that_warns_says_so_in_its_row(tmp_path):
     assert quiet["warnings"] == [] and "warning" not in gpu_check.speed(quiet)
     assert warned["warnings"] == [warning]
     assert gpu_check.speed(warned) == gpu_check.speed(quiet) + f"; 1 warning(s), first: {warning[:120]}"
-
-
-def test_a_command_past_the_timeout_is_stopped_with_its_torchrun_workers(tmp_path):
-    """torchrun's workers run in sessions of their own: stopping the command must end them too (on a GPU, a hung
-    worker would hold the card), and the row fails saying so."""
-    gpu_check = load_script()
-    script = tmp_path / "hangs.py"
-    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
-                      ".write(str(os.getpid()))\nprint('started', flush=True)\ntime.sleep(300)\n")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    # 8 s, which this test waits out: torchrun has its workers started in 2-3 s (importing torch), and 5 s was seen
-    # too short once, on 2 cores busy with other work
-    ctx = SimpleNamespace(log=str(tmp_path / "log.txt"), work=str(tmp_path), timeout=8, results={}, commands=[])
-    start = time.perf_counter()
-    gpu_check.run_rows(ctx, [("hangs", [], lambda ctx: gpu_check.must(ctx, torchrun))])
-    assert time.perf_counter() - start < 60
-    result = ctx.results["hangs"]
-    assert result["status"] == "FAIL" and result["error"].startswith("timed out after 8 s (--timeout)"), result
-    for rank in (0, 1):
-        assert (tmp_path / f"pid{rank}").exists(), "torchrun's workers had not started within the timeout"
-        pid = int((tmp_path / f"pid{rank}").read_text())
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
 
 
 def test_bad_input_is_one_line():
@@ -530,66 +699,156 @@ def test_the_eval_row_without_lm_eval_passes_on_bits_per_byte_and_says_why(monke
         gpu_check.row_eval(ctx)
 
 
-# Where a CPU-only torch stops a command on faked CUDA: the first call that needs the CUDA runtime (an allocation),
-# or, for torchrun's processes, the NCCL process group (a CPU build has no NCCL): past the repo's own setup either way
-NO_CUDA_RUNTIME = "AssertionError: libcudart functions unavailable"
-NO_NCCL = "RuntimeError: Distributed package doesn't have NCCL built in"
+# ----------------------------------------------------------------------------------------------------
+# The decoding group's rows, then the whole check on the CPU
 
 
-# Each row's commands once across the two spellings (a command's device plumbing is the same row function under
-# either): the one-card T4 run keeps the rows whose settings follow the card (fsdp in float32, bf16 skipped) and torchrun
-# shown one card; the two-card run the rows on every card (ddp over both, memory) and bf16 where the card has it
-SKIPPED = {"cuda:1": ["train", "ddp", "memory"], "auto": ["train_eager", "fsdp", "fp16"]}
+@pytest.mark.parametrize("run, row", [(group, row) for group in BACKGROUND for row in ["data", *GROUPS[group]]])
+def test_each_row_reading_trains_run_passes_on_the_cpu(runs, run, row):
+    """The background group's rows, as test_each_row_passes_in_its_groups_run_on_the_cpu the paced groups'."""
+    assert_row_passes(runs, run, row)
 
 
-@pytest.mark.parametrize("spelling, capability", [("cuda:1", (7, 5)), ("auto", (8, 0))])  # plain cuda: as auto
-def test_on_a_gpu_every_command_gets_the_device_and_failing_rows_stop_none(fake_cuda, tmp_path, spelling, capability):
-    """The check with each --device spelling on faked CUDA (inherited by every command through PYTHONPATH), each
-    training row run under one of the two (SKIPPED): each training command gets that device (torchrun's, for one named
-    card, plain cuda: it is shown that card alone), gets through its setup and stops where a CPU-only torch must (its
-    first CUDA allocation; NCCL under torchrun); every row still runs, fails with the command's own error line and
-    keeps its last lines, the resume rows fail for want of the runs they resume (running nothing), the eval and
-    decoding rows for want of train's checkpoint, w8a8 is skipped (a CPU mode), and the check exits 1 after its
-    summary. A compute capability 7.5 card (a T4) skips bf16 and runs FSDP in float32. The rows run side by side
-    (JOBS), as in the CPU's run."""
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: its commands would get past the first allocation")
-    fake_cuda(capability)
-    out = tmp_path / "check.json"
-    skipped = SKIPPED[spelling]
-    command = [sys.executable, SCRIPT, "--tiny", "--no_tests", f"--device={spelling}", JOBS, f"--out={out}",
-               f"--skip={','.join(skipped)}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 1, result.stdout + result.stderr
-    figures = json.loads(out.read_text())
-    rows, t4 = figures["rows"], capability < (8, 0)
-    index, processes = (1, 1) if spelling == "cuda:1" else (0, 2)
-    assert list(rows) == ROWS and figures["summary"][0] == f"gpu_check on Fake GPU (cuda:{index} of 2 visible), " \
-                                                          f"compute capability {capability[0]}.{capability[1]}"
-    skips = {"tests", "w8a8", *skipped, *(["bf16"] if t4 else [])}
-    assert [rows[name]["status"] for name in ROWS] == \
-        ["SKIP" if name in skips else "PASS" if name == "data" else "FAIL" for name in ROWS]
-    assert all(rows[name]["key"] == "skipped: --skip" and rows[name]["commands"] == [] for name in skipped)
-    for name in [name for name in ["train_eager", "train", "ddp", "fsdp", "fp16", "memory", "bf16"] if name not in skips]:
-        row = rows[name]
-        one_process = "torch.distributed.run" not in row["commands"][0]
-        # the command's own error line: its last line, or under torchrun a worker's, above torchrun's report
-        assert row["error"].endswith(" (exit 1)") and row["error"][:-9] in [line.strip() for line in row["output_tail"]]
-        assert not one_process or row["error"] == row["output_tail"][-1].strip() + " (exit 1)", row
-        assert row["error"].startswith(NO_CUDA_RUNTIME if one_process else NO_NCCL), row["error"]
-        torchrun_device = "cuda" if spelling == "cuda:1" else spelling
-        assert f"--device={spelling if one_process else torchrun_device}" in row["commands"][0], row["commands"]
-    torchrun_row = "fsdp" if spelling == "cuda:1" else "ddp"
-    assert f"--nproc_per_node={processes}" in rows[torchrun_row]["commands"][0]
-    if t4:
-        assert rows["fsdp"]["commands"][0].endswith("--dtype=float32")  # FSDP takes no float16; a T4 has no bf16
+def test_every_row_runs_and_passes_on_the_cpu(checks):
+    for group, check in checks.items():
+        assert check.result.returncode == 0, check.output
+        rows = check.figures["rows"]
+        assert list(rows) == ROWS, group  # every row in each run's JSON, in order
+        assert rows["tests"]["status"] == "SKIP" and rows["tests"]["key"] == "skipped: --no_tests"
+        ran = ["data", *GROUPS[group]]
+        # LEFT_OUT, and the rows the other groups run
+        assert all(rows[name]["status"] == "SKIP" and rows[name]["key"] == "skipped: --skip"
+                   for name in ROWS[1:] if name not in ran), group
+        assert all(rows[name]["status"] == "PASS" for name in ran), check.output
+        assert not any("output_tail" in row for row in rows.values())  # kept for failures only
+    rows = merged(checks)  # each row as the group that ran it saw it: every row but LEFT_OUT ran, and passed
+    assert all(rows[name]["status"] == "SKIP" and rows[name]["key"] == "skipped: --skip" for name in LEFT_OUT)
+    assert all(rows[name]["status"] == "PASS" for name in ROWS[1:] if name not in LEFT_OUT)
+
+
+def test_the_figures_are_sane(checks):
+    rows = {name: row.get("figures") for name, row in merged(checks).items()}
+    for name in TRAINING:
+        figures = rows[name]
+        assert figures["ms_per_iter"] > 0 and figures["tokens_per_sec"] > 0 and figures["first_step_s"] > 0, name
+        assert math.isfinite(figures["final_loss"]) and figures["iters"] == ITERS, name
+        assert figures["peak_memory_gb"] is None and figures["compiled_graphs"] is None, name  # CUDA only
+    assert [rows[name]["precision"] for name in TRAINING] == ["float32"] * 4 + ["float16", "bfloat16"]
+    # one global batch: one process (2 micro-steps), DDP and FSDP x2 (1 each; FSDP with activation checkpointing,
+    # which recomputes the same thing) train the same model on the same data, in float32 (measured: equal)
+    losses = [rows[name]["final_loss"] for name in ("train_eager", "train", "ddp", "fsdp")]
+    assert max(losses) - min(losses) < 1e-5, losses
+    # the same run in float16 and bfloat16 autocast ends near it (measured: 1.3e-5 and 7e-6 away)
+    assert all(abs(rows[name]["final_loss"] - losses[0]) < 1e-3 for name in ("fp16", "bf16"))
+    assert ITERS // 2 < rows["fp16"]["optimizer_steps"] <= ITERS and rows["fp16"]["scaler_scale"] > 0
+    assert rows["train"]["speedup_over_eager"] > 0
+    assert rows["memory"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # measured on CUDA only
+    for row in ("int8", "graphs"):
+        for decode in (rows[row]["eager"], rows[row]["compiled"]):
+            assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
+        assert rows[row]["compiled_over_eager"] > 0
+    # resumed halfway, each run's losses after it are the unbroken run's (read from that row's run: the train row of
+    # the resume row's own group), on the CPU to the last bit (measured: equal)
     for name, unbroken in RESUMED.items():
-        assert rows[name]["error"] == f"needs the {unbroken} row's losses to compare with, and it logged none"
-        assert rows[name]["commands"] == []
-    for name in ("eval", "int8", "graphs", "lookup", "draft"):
-        assert rows[name]["error"] == "needs the train row, which failed before writing its checkpoint", name
-    assert rows["w8a8"]["key"] == "skipped: w8a8 is a CPU mode; on a GPU use --quantize=int8"
-    assert "\n".join(figures["summary"]) in result.stdout
-    failed = len(ROWS) - len(skips) - 1
-    assert figures["summary"][-1] == f"rows: 1 PASS, {failed} FAIL, {len(skips)} SKIP"
+        if name in LEFT_OUT:
+            continue
+        figures, unbroken_loss = rows[name], checks[ran_in(name)].figures["rows"][unbroken]["figures"]["final_loss"]
+        assert figures["resumed_at"] == ITERS // 2 and figures["iters"] == ITERS and figures["tolerance"] == 1e-5
+        assert figures["unbroken_final_loss"] == unbroken_loss, name
+        assert figures["largest_difference"] <= 1e-5
+        assert abs(figures["final_loss"] - unbroken_loss) <= 1e-5, name
+    # bits per byte of the val split: characters are bytes, so it is the loss in bits; below a uniform guess's
+    assert rows["eval"]["tokens"] == rows["eval"]["bytes"] > 100_000
+    assert rows["eval"]["bits_per_byte"] == pytest.approx(rows["eval"]["loss"] / math.log(2), rel=1e-9)
+    assert 0 < rows["eval"]["bits_per_byte"] < math.log2(128)
+    if LM_EVAL:
+        assert 0 <= rows["eval"]["choice_acc"] <= 1 and 0 < rows["eval"]["text_bits_per_byte"] < math.inf
+    # the draft proposed tokens and some were kept: the text was not all the model's
+    assert rows["draft"]["tokens"] == 64 and 0 < rows["draft"]["accepted"] <= rows["draft"]["proposed"]
+    assert math.isfinite(rows["draft"]["draft_final_loss"])
+
+
+def test_each_row_ran_the_command_a_user_would(checks):
+    rows = merged(checks)
+    commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
+    # training 6, resume 2 (LEFT_OUT: not its ddp and fsdp runs), memory 2, eval 1 (+ 1 with lm-eval), int8 2 (not
+    # w8a8's 2), graphs 2, draft 2 (training it, and decoding: plain greedy's text is graphs'; not lookup's 1)
+    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 2 + 2, commands
+    every = [c for check in checks.values() for row in check.figures["rows"].values() for c in row["commands"]
+             if any(script in c for script in SCRIPTS)]  # train's too where another group runs it again
+    assert all("--device=cpu" in c for c in every), every
+    assert "--nproc_per_node=2" in rows["ddp"]["commands"][0] and "--compile=True" in rows["ddp"]["commands"][0]
+    assert "--fsdp=True --activation_checkpointing=True" in rows["fsdp"]["commands"][0]
+    assert_resumes_the_same_command(checks[ran_in("resume")].figures["rows"], "resume")  # its group's train run
+    assert "--dtype=float16" in rows["fp16"]["commands"][0] and "--dtype=bfloat16" in rows["bf16"]["commands"][0]
+    assert "eval.py --out_dir=" in rows["eval"]["commands"][0]
+    assert rows["eval"]["commands"][1].endswith("-c 'import lm_eval'")  # whether lm-eval imports here
+    if LM_EVAL:
+        assert "--tasks=gpu_check_choice,gpu_check_text --include_path=" in rows["eval"]["commands"][2]
+    assert "--quantize=int8 --compile=False" in rows["int8"]["commands"][0]
+    assert "--quantize=int8 --compile=True" in rows["int8"]["commands"][1]
+    assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
+    assert "train.py" in rows["draft"]["commands"][0]
+    assert rows["draft"]["commands"][0].endswith("--n_layer=1 --compile=False")
+    assert "--draft=" in rows["draft"]["commands"][1] and rows["draft"]["commands"][1].endswith("--compile=False")
+    # side by side, each row's commands are in each run's log together, under its own header
+    for group, check in checks.items():
+        with open(check.figures["log"]) as f:
+            blocks = dict(re.findall(r"===== row (\w+) =====\n(.*?)(?=\n===== row |\Z)", f.read(), re.S))
+        assert sorted(blocks) == sorted(ROWS), group
+        for name, row in check.figures["rows"].items():
+            assert [line[2:] for line in blocks[name].splitlines() if line.startswith("$ ")] == row["commands"], name
+
+
+def assert_resumes_the_same_command(rows, name):
+    """A resume row trains its unbroken row's run (the same command, but for its out_dir) in two, on one schedule."""
+    unbroken = RESUMED[name]
+    half, resumed = (re.sub(r" --out_dir=\S+", "", c) for c in rows[name]["commands"])
+    unbroken_command = re.sub(r" --out_dir=\S+", "", rows[unbroken]["commands"][0])
+    assert half == unbroken_command + f" --max_iters={ITERS // 2} --lr_decay_iters={ITERS}", (half, unbroken)
+    assert resumed == unbroken_command + f" --init_from=resume --max_iters={ITERS} --lr_decay_iters={ITERS}"
+
+
+def test_the_summary_is_printed_saved_and_says_these_are_not_gpu_figures(checks):
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"  # a CUDA build without a GPU says so
+    for group, check in checks.items():
+        summary = check.figures["summary"]
+        assert "\n".join(summary) in check.result.stdout
+        assert summary[0] == "gpu_check on CPU (no GPU: these are not GPU figures)"
+        assert summary[1].startswith(f"torch {torch.__version__}, {build}")
+        assert summary[2].startswith("command: python bench/gpu_check.py --tiny")
+        for name, line in zip(ROWS, summary[3:]):
+            assert line.split()[:2] == [name, check.figures["rows"][name]["status"]]
+        ran = 1 + len(GROUPS[group])  # data and the group's rows; the rest skipped
+        assert summary[-1] == f"rows: {ran} PASS, 0 FAIL, {len(ROWS) - ran} SKIP", group
+        assert "not GPU figures" in check.figures["device"] and check.figures["gpu"] is False
+    summary = checks[ran_in("ddp")].figures["summary"]
+    assert "compile unused: train.py compiles on CUDA only" in summary[ROWS.index("ddp") + 3]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Last, once the check's runs have ended: this test waits out a timeout within which torchrun must have started its
+# workers, which two cores busy with the runs could make it miss
+
+
+def test_a_command_past_the_timeout_is_stopped_with_its_torchrun_workers(tmp_path):
+    """torchrun's workers run in sessions of their own: stopping the command must end them too (on a GPU, a hung
+    worker would hold the card), and the row fails saying so."""
+    gpu_check = load_script()
+    script = tmp_path / "hangs.py"
+    script.write_text(f"import os, time\nopen(os.path.join({str(tmp_path)!r}, 'pid' + os.environ['RANK']), 'w')"
+                      ".write(str(os.getpid()))\nprint('started', flush=True)\ntime.sleep(300)\n")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    # 8 s, which this test waits out: torchrun has its workers started in 2-3 s (importing torch), and 5 s was seen
+    # too short once, on 2 cores busy with other work
+    ctx = SimpleNamespace(log=str(tmp_path / "log.txt"), work=str(tmp_path), timeout=8, results={}, commands=[])
+    start = time.perf_counter()
+    gpu_check.run_rows(ctx, [("hangs", [], lambda ctx: gpu_check.must(ctx, torchrun))])
+    assert time.perf_counter() - start < 60
+    result = ctx.results["hangs"]
+    assert result["status"] == "FAIL" and result["error"].startswith("timed out after 8 s (--timeout)"), result
+    for rank in (0, 1):
+        assert (tmp_path / f"pid{rank}").exists(), "torchrun's workers had not started within the timeout"
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
