@@ -117,8 +117,7 @@ def rotary_table(ids, head_dim, base):
 
 def rope(x, positions):
     """x (B, T, h, hd) with each pair (x[i], x[i + hd/2]) turned by the angle p * rope_base^(-2i/hd), p its token's
-    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in x's dtype, cos and sin rounded to it as Llama's and nanochat's
-    bf16 rope do (in fp32 it took an upcast and a downcast a call: 48 more kernels a GPT-2-small decode step)."""
+    position: x cos + (x[i + hd/2], x[i]) (-sin, sin), in x's dtype (cos, sin rounded to it: Llama's bf16 rope)."""
     if positions.cos.dtype != x.dtype:  # under autocast: cast once a forward, for all layers
         positions.cos, positions.sin = positions.cos.to(x.dtype), positions.sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)  # (B, T, h, hd/2) each
@@ -201,11 +200,6 @@ class KVCache:
     def update_tokens(self, idx, positions):  # ids idx (B, T) into their slots; those attention reads (B, S), as update
         self.tokens[:, positions] = idx
         return self.tokens if self.static else self.tokens[:, :self.pos + idx.size(1)]
-
-    def select_rows(self, rows):
-        """Keep the batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
-        rows = torch.as_tensor(rows, device=self.k.device)
-        self.k, self.v, self.tokens = self.k[:, rows], self.v[:, rows], self.tokens[rows]
 
     def truncate(self, length):  # forget every position from `length` on (e.g. rejected speculated tokens)
         if not 0 <= length <= self.pos:

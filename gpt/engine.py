@@ -73,6 +73,12 @@ def prefill(model, contexts, max_len, static=False):
     return cache, contexts[:, -1:]
 
 
+def select_rows(cache, rows):
+    """Keep the cache's batch rows `rows` (indices; repeat one to copy it): share a prefill, drop finished samples."""
+    rows = torch.as_tensor(rows, device=cache.k.device)
+    cache.k, cache.v, cache.tokens = cache.k[:, rows], cache.v[:, rows], cache.tokens[rows]
+
+
 def slide(contexts, block_size):
     """A full context's (B, T) last block_size // 2 tokens, prefilled again: the next slide is that far, not one."""
     return contexts[:, -(block_size // 2):]
@@ -142,7 +148,7 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
         cache, tokens = None, contexts
         if cached:
             cache, tokens = prefill(model, contexts[:1], max_len, static)  # the prompt once: (1, T - 1) cached
-            cache.select_rows([0] * n)
+            select_rows(cache, [0] * n)
             tokens = tokens.expand(n, -1)  # (B, 1)
         rows = list(range(n))  # the sample each batch row belongs to; None: it has ended (static only)
         unread = []  # tokens on their way to the host, read once the next step is launched where the batch never
@@ -164,7 +170,7 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
                 alive = [i for i, row in enumerate(rows) if row is not None]
                 rows, contexts, tokens = [rows[i] for i in alive], contexts[alive], tokens[alive]
                 if cache is not None:
-                    cache.select_rows(alive)
+                    select_rows(cache, alive)
         for read in unread:  # the last step's tokens
             add_tokens(samples, rows, read())
 

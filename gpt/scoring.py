@@ -9,7 +9,7 @@ Scoring: the log-probabilities a model gives to given tokens, for eval.py and ha
 import torch
 import torch.nn.functional as F
 
-from gpt.engine import device_of, prefill
+from gpt.engine import device_of, prefill, select_rows
 
 
 def target_logprobs(model, hidden, targets):
@@ -65,7 +65,7 @@ def continuation_logprobs(model, context, continuations):
     must be at most block_size + 1 (the last token is scored, never fed)."""
     device, n, longest = device_of(model), len(continuations), max(map(len, continuations))
     cache, last = prefill(model, torch.tensor([context], device=device), len(context) - 1 + longest)
-    cache.select_rows([0] * n)
+    select_rows(cache, [0] * n)
     inputs = torch.zeros(n, longest, dtype=torch.long, device=device)  # each row: the context's last token,
     targets = torch.full((n, longest), -1, dtype=torch.long, device=device)  # then the continuation, padded
     for row, continuation in enumerate(continuations):

@@ -123,7 +123,7 @@ def test_model_on_meta(kind):
         one, _ = model(idx[:, :1], kv_cache=cache)
         chunk, _ = model(idx[:, :3], kv_cache=cache)
         positions = model.positions(idx[:, :2], cache, None)
-        cache.select_rows([1, 0])
+        engine.select_rows(cache, [1, 0])
         static = model.new_kv_cache(2, 12, static=True)
         static_one, _ = model(idx[:, :1], kv_cache=static, input_pos=torch.tensor([4], device=META))
     assert cache.pos == 9
