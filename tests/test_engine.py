@@ -294,6 +294,38 @@ def test_a_float_model_replays_cuda_graphs_by_default_on_cuda_only():
         assert engine.device_of(int8_on_cuda).type == "cuda" and not engine.graphs_by_default(int8_on_cuda)
 
 
+class EndingSamples(engine.Samples):
+    """Samples that keep their token ids, each ending after ends[sample] tokens (as a stop string would end it)."""
+
+    def __init__(self, n, tokenizer, ends):
+        super().__init__(n, tokenizer, [], stream=False)
+        self.tokens, self.ends = [[] for _ in range(n)], ends
+
+    def add(self, sample, token):
+        self.tokens[sample].append(token)
+        return super().add(sample, token) or len(self.tokens[sample]) == self.ends.get(sample)
+
+
+def test_samples_that_end_leave_each_other_sample_its_own_cache(monkeypatch):
+    """Once a sample ends, its batch row leaves the batch and the KV cache (engine.select_rows): every step's logits
+    of each sample still going are a full forward's of its own text, so no row reads another's keys and values."""
+    from gpt.tokenizer import Tokenizer, char_meta
+    model, prompt = random_gpt(seed=3, std=1.0), [1, 2, 3]
+    logits, next_tokens = [], engine.next_tokens
+    monkeypatch.setattr(engine, "next_tokens", lambda step_logits, *args: logits.append(step_logits.clone()) or
+                        next_tokens(step_logits, *args))
+    samples = EndingSamples(4, Tokenizer(char_meta("abcdefgh")), ends={0: 2, 2: 5})
+    settings = dict(graph_settings(4, cuda_graph=False), max_new_tokens=10, temperature=1.0)
+    engine.decode_batch(model, prompt, settings, samples, torch.Generator().manual_seed(0))
+    assert [len(tokens) for tokens in samples.tokens] == [2, 10, 5, 10]
+    assert len({tuple(tokens) for tokens in samples.tokens[1::2]}) == 2  # the samples still going differ
+    with torch.no_grad():
+        for step, batch in enumerate(logits):  # (B, V): the rows of the samples that made a token at this step
+            going = [sample for sample, tokens in enumerate(samples.tokens) if len(tokens) > step]
+            expected = [model(torch.tensor([prompt + samples.tokens[sample][:step]]))[0][0, -1] for sample in going]
+            torch.testing.assert_close(batch, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
 def graph_settings(n, cuda_graph):
     return dict(num_samples=n, max_new_tokens=30, temperature=0.0, top_k=None, top_p=None, no_kv_cache=False,
                 compile=False, cuda_graph=cuda_graph)
