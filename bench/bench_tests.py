@@ -6,8 +6,11 @@ test's set-up (its fixtures' share) and tear-down included. Speed is measured he
     python bench/bench_tests.py                                  # the whole suite, as README's command runs it
     python bench/bench_tests.py tests/test_invariants.py         # the fast check
     python bench/bench_tests.py --save=after.json --before=before.json   # and a column of an earlier run's figures
+    python bench/bench_tests.py -- -n0                           # every test in one process (no pytest-xdist workers)
 
-Run it on a quiet machine: the figures are wall-clock seconds, and another job on the same cores moves them.
+Run it on a quiet machine: the figures are wall-clock seconds, and another job on the same cores moves them. The whole
+suite runs its files side by side, a process per core (pytest.ini's -n auto): a test's seconds then include the
+other processes' share of the cores; -n0 gives each test's own.
 """
 
 import argparse

@@ -62,6 +62,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import glob
+import importlib.util
 import itertools
 import json
 import math
@@ -346,7 +347,9 @@ def row_tests(ctx):
     if ctx.args.no_tests:
         raise RowSkipped("--no_tests")
     test_device = "cuda" if ctx.cuda else ctx.kind  # a cuda:N is the only card its CUDA_VISIBLE_DEVICES shows
-    returncode, output = run(ctx, [ctx.python, "-m", "pytest", "-p", "no:cacheprovider"],
+    # pytest.ini's -n spreads the files over the cores (pytest-xdist); a GPU machine may have pytest alone: one process
+    in_one_process = [] if importlib.util.find_spec("xdist") else ["-o", "addopts=-rfE"]
+    returncode, output = run(ctx, [ctx.python, "-m", "pytest", "-p", "no:cacheprovider", *in_one_process],
                              dict(os.environ, **ctx.one_card, TEST_DEVICE=test_device), cwd=ROOT)
     lines = output.strip().splitlines()
     figures = dict(summary=lines[-1] if lines else "(no output)", test_device=test_device,

@@ -2,6 +2,7 @@ import atexit
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 
@@ -22,6 +23,25 @@ if "GPT_CACHE_DIR" not in os.environ:
 # folder, then loaded in a new process each, ~1.4 s in every process that compiles) is skipped: the ISA is the one the
 # CPU's flags name, as the probes find on any machine with a C++ compiler, which compiling needs anyway
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+@pytest.hookimpl(optionalhook=True)  # -p no:xdist leaves it unknown
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's `-n auto`: the suite's files spread over one process per core (pytest-xdist; a file's tests stay in
+    one process, its module fixtures made once), which fills the cores that a test waiting on one single-threaded
+    command leaves idle. None where the command names one file (the fast check: starting workers would cost more than
+    its seconds) or debugs (--pdb needs the tests in this process)."""
+    files = {arg.split("::")[0] for arg in config.args}
+    if config.getoption("usepdb") or len(files) == 1 and files.pop().endswith(".py"):
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def sigint_as_in_a_terminal():
+    """preexec_fn of a command a test sends SIGINT (Ctrl-C): its default disposition, which Python turns into
+    KeyboardInterrupt. A command inherits an ignored SIGINT, and pytest-xdist's workers ignore it, as does a shell
+    without job control for a command it runs in the background."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
 
 # The device the tests that take one (the `device` fixture) run on: TEST_DEVICE=cuda python -m pytest runs them
 # on the GPU. Tests about the CPU on purpose (its int8 kernels, faked CUDA, CPU timings, Hugging Face references)

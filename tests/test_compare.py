@@ -17,6 +17,7 @@ import pytest
 import compare
 import plot
 import train
+from conftest import sigint_as_in_a_terminal
 from data.shakespeare_char import prepare as prepare_char
 from gpt import UserError
 
@@ -288,10 +289,8 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_finishes(workdir):
     400 iterations, hundreds are still to go, far longer than the 0.1 s between the test's looks at the log."""
     command = [sys.executable, os.path.join(ROOT, "compare.py"), f"a={TINY} --eval_interval=100000", "--seeds=1",
                "--iters=400", "--out_dir=ctrl-c", "--threads=1"]
-    # As a terminal's foreground job: SIGINT at its default even when the tests run in the background (where the
-    # shell ignores it, and the ignoring is inherited), so that Python turns it into KeyboardInterrupt.
     process = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
     log = workdir / "ctrl-c" / "a" / "seed1337" / "train.log"
     deadline = time.time() + 120
     while not (log.exists() and "iter 5:" in log.read_text()) and time.time() < deadline:

@@ -70,7 +70,8 @@ GPUS = {"one_gpu": 1, "no_gpu": 0}
 @pytest.fixture(scope="module")
 def emulated_runs(tmp_path_factory):
     """The pytest run of each case of GPUS, side by side (each costs seconds), skipping the cases a torch built with
-    CUDA cannot emulate: {gpus: (its output, its JUnit XML report)}."""
+    CUDA cannot emulate: {gpus: (its output, its JUnit XML report)}. Each in one process (pytest.ini's options, -n
+    among them, left out): the emulation holds in the process its plugin loads in."""
     folder = tmp_path_factory.mktemp("emulated")
     (folder / "emulate_cuda_build.py").write_text(PLUGIN)
     runs = {}
@@ -83,7 +84,7 @@ def emulated_runs(tmp_path_factory):
         report = folder / f"report-{gpus}.xml"
         runs[gpus] = report, subprocess.Popen(
             [sys.executable, "-m", "pytest", "-p", "emulate_cuda_build", "-p", "no:cacheprovider", "-rs",
-             f"--junitxml={report}", "tests/test_fake_cuda.py", "tests/test_gpu_check.py"],
+             "-o", "addopts=", f"--junitxml={report}", "tests/test_fake_cuda.py", "tests/test_gpu_check.py"],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         outputs = {gpus: proc.communicate(timeout=600) for gpus, (_, proc) in runs.items()}

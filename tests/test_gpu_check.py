@@ -555,6 +555,27 @@ def test_bad_input_is_one_line():
         assert str(exit.value.code).startswith(message) and "\n" not in str(exit.value.code)
 
 
+@pytest.mark.parametrize("has_xdist", [True, False])
+def test_the_tests_row_runs_the_suite_on_its_device_with_or_without_xdist(monkeypatch, has_xdist):
+    """The tests row runs README's command with TEST_DEVICE; where pytest-xdist is missing (a GPU machine may have
+    pytest alone), without pytest.ini's -n, which pytest would refuse as an unknown option."""
+    gpu_check, calls = load_script(), []
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: find_spec(name) if has_xdist or name != "xdist"
+                        else None)
+    monkeypatch.setattr(gpu_check, "run", lambda ctx, command, env, cwd: calls.append((command, env)) or (
+        0, "==== 5 passed in 1.00s ===="))
+    ctx = SimpleNamespace(args=SimpleNamespace(no_tests=False), cuda=True, kind="cuda", python=sys.executable,
+                          one_card={"CUDA_VISIBLE_DEVICES": "1"})
+    figures, line = gpu_check.row_tests(ctx)
+    [(command, env)] = calls
+    assert command[:3] == [sys.executable, "-m", "pytest"] and env["TEST_DEVICE"] == "cuda"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and line == "5 passed in 1.00s (TEST_DEVICE=cuda)"
+    assert ("-o" in command) == (not has_xdist)
+    if not has_xdist:
+        assert "-n" not in command[command.index("-o") + 1]  # pytest.ini's addopts replaced, its -n with them
+
+
 def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
     """The choices only a GPU meets, on CUDA faked at torch's C boundary (conftest.py): two cards of compute
     capability 7.5 (a T4's: no bfloat16)."""

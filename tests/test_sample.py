@@ -28,7 +28,7 @@ from data.shakespeare_char import prepare as prepare_char
 from gpt import UserError
 from gpt.bpe import named_encoding
 from model import GPT, GPTConfig
-from conftest import finished
+from conftest import finished, sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -624,7 +624,7 @@ def test_a_stop_string_with_speculative_decoding(ckpts, capsys):
 def test_ctrl_c_while_decoding_exits_130_without_a_traceback(ckpts, on_device):
     command = [sys.executable, os.path.join(ROOT, "sample.py"), f"--out_dir={ckpts['target']}", "--prompt=ROMEO:",
                "--max_new_tokens=1000000", "--compile=False", *on_device]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_as_in_a_terminal,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         assert proc.stdout.read(40)  # decoding has begun
