@@ -396,11 +396,15 @@ def main(argv):
     settings = check_settings(configure(DEFAULTS, argv))
     # Rank 0 alone writes and prints: it alone holds the run folder (torchrun sets RANK; one process is rank 0)
     run_dir = RunDir(settings) if int(os.environ.get("RANK", "0")) == 0 else None
-    threads = torch.get_num_threads()  # train() may take fewer (gpt/machine.py); a caller's process gets it back
+    # train() may take fewer threads (gpt/machine.py) and handles SIGINT and SIGTERM: a caller's process gets its own
+    # back (experiments/kv_heads.py's next run, whose set-up a stale handler would keep from hearing a Ctrl-C)
+    threads, handlers = torch.get_num_threads(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         stop_signal = train(settings, run_dir)
     finally:
         torch.set_num_threads(threads)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
         if run_dir:
             run_dir.close()
     # Torn down only once train() has freed the DDP/FSDP model: destroyed first, the group's last reference was DDP's

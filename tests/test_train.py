@@ -504,6 +504,26 @@ def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(stopped_runs, 
     assert load_ckpt(resumed)["iter_num"] == stopped_at + 2
 
 
+def test_train_main_gives_its_caller_back_the_signal_handlers_and_threads(workdir, tmp_path, monkeypatch):
+    """train.main in a caller's process (experiments/kv_heads.py runs several): the SIGINT and SIGTERM handlers and
+    the thread count it found are the caller's again once it returns, so a Ctrl-C between runs is not a finished
+    run's to swallow."""
+    def callers_handler(signum, frame):
+        pass
+    handlers = {s: signal.signal(s, callers_handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.chdir(workdir)
+    try:
+        train.main(TINY + [f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--threads=2"])
+        assert [signal.getsignal(s) for s in handlers] == [callers_handler] * 2
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+
+
 def poison_loss_after(monkeypatch, n_good, ckpt_path):
     """From training forward call n_good + 1 on, the loss is NaN; the checkpoint file's bytes (or None) at
     the first NaN are recorded in the returned dict."""
