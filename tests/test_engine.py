@@ -11,6 +11,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
+import model as model_py
 from gpt import engine, speculative, static_step
 from model import GPT, GPTConfig
 
@@ -306,11 +307,23 @@ class EndingSamples(engine.Samples):
         return super().add(sample, token) or len(self.tokens[sample]) == self.ends.get(sample)
 
 
-def test_samples_that_end_leave_each_other_sample_its_own_cache(monkeypatch):
+def odd_keys(query_pos, key_pos, config, layer, tokens, causal=model_py.can_attend):
+    """can_attend with a rule of the tokens (as document masking is): a query sees, of the keys before it, those that
+    hold an odd token id, and itself. Each key's token counts, so a row that read another sample's ids would differ."""
+    odd_or_itself = (tokens[:, None, :] % 2 == 1) | (key_pos == query_pos)  # (B, T, S)
+    return causal(query_pos, key_pos, config, layer, tokens) & odd_or_itself[:, None]  # (B, 1, T, S)
+
+
+@pytest.mark.parametrize("rule", ["causal", "odd_keys"])
+def test_samples_that_end_leave_each_other_sample_its_own_cache(monkeypatch, rule):
     """Once a sample ends, its batch row leaves the batch and the KV cache (engine.select_rows): every step's logits
-    of each sample still going are a full forward's of its own text, so no row reads another's keys and values."""
+    of each sample still going are a full forward's of its own text, so no row reads another's keys and values, nor,
+    under a rule that reads the tokens, another's token ids."""
     from gpt.tokenizer import Tokenizer, char_meta
     model, prompt = random_gpt(seed=3, std=1.0), [1, 2, 3]
+    if rule == "odd_keys":  # a window as long as the text: the rule is asked on every path, the one-token step's too
+        monkeypatch.setattr(model_py, "can_attend", odd_keys)
+        monkeypatch.setattr(model.config, "window", model.config.block_size)
     logits, next_tokens = [], engine.next_tokens
     monkeypatch.setattr(engine, "next_tokens", lambda step_logits, *args: logits.append(step_logits.clone()) or
                         next_tokens(step_logits, *args))
@@ -319,6 +332,8 @@ def test_samples_that_end_leave_each_other_sample_its_own_cache(monkeypatch):
     engine.decode_batch(model, prompt, settings, samples, torch.Generator().manual_seed(0))
     assert [len(tokens) for tokens in samples.tokens] == [2, 10, 5, 10]
     assert len({tuple(tokens) for tokens in samples.tokens[1::2]}) == 2  # the samples still going differ
+    parities = [[token % 2 for token in tokens[:-1]] for tokens in samples.tokens[1::2]]
+    assert parities[0] != parities[1]  # odd ids at different positions: odd_keys tells the samples still going apart
     with torch.no_grad():
         for step, batch in enumerate(logits):  # (B, V): the rows of the samples that made a token at this step
             going = [sample for sample, tokens in enumerate(samples.tokens) if len(tokens) > step]
