@@ -24,6 +24,7 @@ if "GPT_CACHE_DIR" not in os.environ:
 # CPU's flags name, as the probes find on any machine with a C++ compiler, which compiling needs anyway
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+
 @pytest.hookimpl(optionalhook=True)  # -p no:xdist leaves it unknown
 def pytest_xdist_auto_num_workers(config):
     """pytest.ini's `-n auto`: the suite's files spread over one process per core (pytest-xdist; a file's tests stay in
