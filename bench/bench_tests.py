@@ -17,6 +17,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,8 @@ def machine():
 
 
 def run_suite(pytest_args, log_path):
-    """Run pytest with a JUnit report; return (wall seconds, exit code, {test id: seconds}, its last output line)."""
+    """Run pytest with a JUnit report; return (wall seconds, exit code, {test id: seconds}, its last output line, the
+    processes that ran the tests: pytest-xdist's workers, else 1; None under -q, where xdist does not say)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.xml")
         start = time.perf_counter()
@@ -56,7 +58,9 @@ def run_suite(pytest_args, log_path):
                 tests[f"{path}::{case.get('name')}"] = float(case.get("time"))
     with open(log_path) as log:
         lines = [line.strip() for line in log if line.strip()]
-    return wall, code, tests, lines[-1].strip("= ") if lines else ""
+    workers = [int(m.group(1)) for m in map(re.compile(r"created: (\d+)/\d+ workers").match, lines) if m]
+    quiet = any(arg.startswith("-q") or arg == "--quiet" for arg in pytest_args)  # xdist then says nothing
+    return wall, code, tests, lines[-1].strip("= ") if lines else "", workers[0] if workers else None if quiet else 1
 
 
 def by_file(tests):
@@ -93,10 +97,12 @@ def main():
         before = json.load(open(args.before)) if args.before else None
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot read --before {args.before} ({e}); give a file that --save wrote")
-    wall, code, tests, last_line = run_suite(args.pytest_args, args.log)
+    wall, code, tests, last_line, processes = run_suite(args.pytest_args, args.log)
     result = dict(machine=machine(), command=" ".join(["python -m pytest", *args.pytest_args]), wall_s=round(wall, 1),
-                  exit_code=code, summary=last_line, tests=tests)
-    print(f"{result['command']}: {wall:.1f} s wall ({wall / 60:.1f} min), exit {code}: {last_line}")
+                  exit_code=code, summary=last_line, processes=processes, tests=tests)
+    side_by_side = {None: "processes not known under -q", 1: "one process"}.get(processes,
+                                                                             f"{processes} processes side by side")
+    print(f"{result['command']} ({side_by_side}): {wall:.1f} s wall ({wall / 60:.1f} min), exit {code}: {last_line}")
     print(f"machine: {result['machine']}")
     if before:
         print(f"before: {before['wall_s']:.1f} s wall ({before['wall_s'] / 60:.1f} min) on {before['machine']}")
