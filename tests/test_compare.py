@@ -100,13 +100,11 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture
 def in_workdir(workdir, monkeypatch):
-    """compare.main() in the workdir, each run through train.main() in this process, signal handlers restored."""
+    """compare.main() in the workdir, each run through train.main() in this process (which gives the signal handlers
+    back)."""
     monkeypatch.chdir(workdir)
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setattr(compare, "run_training", train_here)
-    yield workdir
-    for s, handler in handlers.items():
-        signal.signal(s, handler)
+    return workdir
 
 
 def train_here(argv, log_path):

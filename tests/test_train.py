@@ -59,15 +59,14 @@ def workdir(tmp_path_factory):
 
 @contextlib.contextmanager
 def in_dir(path):
-    """Run train.main() in path and restore what it changes in the process: the cwd and the signal handlers."""
-    cwd, handlers = os.getcwd(), {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    """Run train.main() (or a script) in path, the cwd restored after; train.main restores the signal handlers itself
+    (test_train_main_gives_its_caller_back_the_signal_handlers_and_threads)."""
+    cwd = os.getcwd()
     os.chdir(path)
     try:
         yield
     finally:
         os.chdir(cwd)
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
 
 
 def train_main(workdir, out_dir, *args):
