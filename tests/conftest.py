@@ -31,8 +31,9 @@ def pytest_xdist_auto_num_workers(config):
     one process, its module fixtures made once), which fills the cores that a test waiting on one single-threaded
     command leaves idle. None where the command names one file (the fast check: starting workers would cost more than
     its seconds) or debugs (--pdb needs the tests in this process)."""
-    files = {arg.split("::")[0] for arg in config.args}
-    if config.getoption("usepdb") or len(files) == 1 and files.pop().endswith(".py"):
+    files = {arg.split("::")[0] for arg in config.args}  # tests/test_x.py::test_y names tests/test_x.py
+    one_file = len(files) == 1 and next(iter(files)).endswith(".py")
+    if one_file or config.getoption("usepdb"):
         return 0
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
