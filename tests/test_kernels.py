@@ -42,9 +42,14 @@ def linears_of(model):
     return [m for m in model.modules() if kernels.is_decode_linear(m)]
 
 
-INT8_ONLY, FLOAT_ONLY = ("int8pack", "int8-words"), ("onednn-packed",)  # the kernels that take one kind of weight
+INT8_ONLY, FLOAT_ONLY = ("int8pack", "int8-words", "avx2-int8"), ("onednn-packed",)  # each takes one kind of weight
 INT8_ROWS = ("onednn-int8", "int-mm")  # the kernels for int8 rows (a W8A8Linear's) and int8 weights only
 ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
+
+
+def has_avx2():
+    """Whether gpt/avx2.py's kernels run here (an x86 CPU with AVX2 and FMA: CI's, and nearly every x86 since 2015)."""
+    return {"avx2", "fma"} <= set(cpu_flags())
 
 
 def has_vnni():
@@ -76,6 +81,9 @@ def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name, dtype):
         return
     if name == "onednn" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return  # no bfloat16 inner product in oneDNN on this CPU (AVX2 only): usable_kernels drops it on its error
+    if name == "avx2-int8" and dtype != torch.float32:  # float32 rows only (and int8 ones): no candidate for bf16
+        assert name not in kernels.usable_kernels(Int8WeightOnlyLinear(nn.Linear(32, 40).to(dtype)), 1, compiled=False)
+        return
     expected = x.double() @ weight.double().T
     error = (kernels.KERNELS[name](x, weight, None).double() - expected).abs().max() / expected.abs().max()
     assert error < (1e-6 if dtype == torch.float32 else 2e-2)  # as usable_kernels accepts: relative to the largest
@@ -90,7 +98,7 @@ def test_a_kernel_for_one_kind_of_weight_is_no_candidate_for_the_other(name, wei
     assert name not in kernels.usable_kernels(layer, 1, compiled=False)
 
 
-@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction", "int8-words"))
+@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction", "int8-words", "avx2-int8"))
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
     """int8 rows times int8 weights, every sum exact, the largest ones too (rows of +-127 against a weight row of 127:
@@ -105,7 +113,8 @@ def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
         x[-1, 0, :128] = -127
     usable = kernels.usable_kernels(layer, rows, compiled=True)
     if name not in usable:
-        assert name in INT8_ROWS and not has_vnni(), f"{name} is no candidate: {usable}"
+        assert (name in INT8_ROWS and not has_vnni()) or (name == "avx2-int8" and not has_avx2()), (
+            f"{name} is no candidate: {usable}")
         return
     expected = x.double() @ layer.weight.double().T  # (rows, 1, 80)
     actual = kernels.KERNELS[name](x, layer.weight, None)
@@ -148,10 +157,93 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate(avx2_process):
     assert result.returncode == 0, result.stderr
     usable, saturated = result.stdout.strip().splitlines()
     usable = eval(usable)
+    assert "avx2-int8" in usable or not has_avx2()  # its int16 pair sums stay below saturation: exact everywhere
     if int(saturated) == 127 * 127 * 768:  # some AVX2 CPUs (an AMD EPYC Zen 3) sum exactly: int_mm is kept there
         assert "torch" in usable and "int-mm" in usable
         return
     assert "torch" in usable and not set(INT8_ROWS) & set(usable)  # saturating: only float32 products are left
+
+
+avx2 = pytest.mark.skipif(not has_avx2(), reason="gpt/avx2.py's kernels need an x86 CPU with AVX2 and FMA")
+
+
+@avx2
+@pytest.mark.parametrize("width", [1, 31, 32, 33, 100, 768])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_the_avx2_kernels_give_the_product_at_every_width_and_row_count(width, rows):
+    """Every width (the 32-wide loop and the one-at-a-time tail), every decode row count, rows not contiguous in
+    memory: float32 rows within float32 rounding of F.linear, int8 rows exactly, signs and extremes included (-127 x
+    -127 and 127 x -127, where the unsigned |x| meets the weight given x's sign, and zeros, which have no sign)."""
+    torch.manual_seed(0)
+    weight = torch.randint(-127, 128, (70, width), dtype=torch.int8)
+    weight[0], weight[1] = -127, 127
+    x = torch.randn(width, rows).T  # (rows, width), its rows strided
+    expected = x.double() @ weight.double().T
+    actual = kernels.avx2_int8_linear(x, weight, None)
+    assert actual.shape == (rows, 70) and actual.dtype == torch.float32
+    assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    rows_int8 = torch.randint(-127, 128, (rows, width), dtype=torch.int8)
+    rows_int8[0] = -127
+    if rows > 1:
+        rows_int8[-1, : width // 2] = 0
+    expected = rows_int8.double() @ weight.double().T
+    assert torch.equal(kernels.avx2_int8_linear(rows_int8, weight, None).double(), expected)
+    assert expected[0, 0] == 127 * 127 * width and expected[0, 1] == -127 * 127 * width
+
+
+@pytest.mark.parametrize("flags, usable", [("fpu sse4_2 avx avx2 fma", True), ("fpu sse4_2 avx avx2 fma avx512f", True),
+                                           ("fpu sse4_2 avx", False), ("fp asimd evtstrm aes crc32 atomics", False)])
+def test_the_avx2_kernels_are_a_candidate_where_the_cpu_has_avx2_and_fma(monkeypatch, flags, usable):
+    """Chosen from the CPU's flags (faked here): an AVX2 CPU (most laptops) and an AVX-512 one measure them beside the
+    others, an x86 CPU without AVX2 and an Arm one (Apple Silicon) never run them."""
+    if usable and not has_avx2():
+        pytest.skip("this CPU cannot run them, whatever its flags say")
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.split())
+    for layer in (Int8WeightOnlyLinear(nn.Linear(64, 48)), W8A8Linear(nn.Linear(64, 48))):
+        assert ("avx2-int8" in kernels.usable_kernels(layer, 1, compiled=False)) == usable
+    assert "avx2-int8" not in kernels.usable_kernels(nn.Linear(64, 48), 1, compiled=False)  # int8 weights only
+
+
+@avx2
+def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cache):
+    from gpt import avx2 as avx2_module
+    weight, x = torch.randint(-127, 128, (8, 40), dtype=torch.int8), torch.randn(2, 40)
+    kernels.avx2_int8_linear(x, weight, None)
+    assert [path.suffix for path in cache.iterdir()] == [".so"]  # written whole: no source or half-built file left
+    avx2_module.library.cache_clear()  # as a new process: the kept build is loaded, nothing compiled
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(avx2_module.subprocess, "run", no_compiler)
+    torch.testing.assert_close(kernels.avx2_int8_linear(x, weight, None), F.linear(x, weight.float()))
+
+
+@avx2
+def test_without_a_compiler_the_avx2_kernels_are_no_candidate(monkeypatch):
+    from gpt import avx2 as avx2_module
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    avx2_module.library.cache_clear()
+    usable = kernels.usable_kernels(Int8WeightOnlyLinear(nn.Linear(64, 48)), 1, compiled=False)
+    avx2_module.library.cache_clear()  # built with the real compiler again in later tests
+    assert "avx2-int8" not in usable and "torch" in usable
+
+
+@avx2
+@pytest.mark.parametrize("scheme", [Int8WeightOnlyLinear, W8A8Linear])
+def test_the_avx2_kernels_compiled_give_the_eager_models_logits(monkeypatch, scheme):
+    """Compiled, the product is an op inductor calls as it is (no graph break), eager a plain call: both give the
+    quantized model's own forward."""
+    model, one = tiny_model(), torch.randint(0, 64, (1, 1))
+    replace_linears(model, scheme)
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "avx2-int8")
+    with torch.inference_mode():
+        expected = model(one)[0]
+        with kernels.decode_linears(model, rows=1, compiled=True):
+            assert all(isinstance(m, kernels.DecodeLinear) for m in model.modules() if hasattr(m, "through"))
+            torch.testing.assert_close(model(one)[0], expected, atol=1e-5, rtol=1e-5)
+            compiled = torch.compile(model, dynamic=False, fullgraph=True)
+            torch.testing.assert_close(compiled(one)[0], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(monkeypatch):
