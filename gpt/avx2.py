@@ -85,37 +85,47 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
-def library(folder):
-    """The kernels, built into folder on first use (a file per source and flags, written whole), loaded."""
+def library(cache_dir):
+    """The kernels, built on first use into the folder cache_dir() names (a file per source and flags, written
+    whole), loaded once a process."""
     compiler = os.environ.get("CXX", "g++")  # inductor's choice of compiler too
     digest = hashlib.sha1(" ".join([SOURCE, compiler, *FLAGS]).encode()).hexdigest()[:12]
+    folder = cache_dir()
     path = os.path.join(folder, f"int8_avx2_{digest}.so")
     if not os.path.exists(path):
         if not shutil.which(compiler):
             raise RuntimeError(f"the AVX2 int8 kernels are C++ built here, and there is no {compiler}")
-        os.makedirs(folder, exist_ok=True)
-        source, built = f"{path}.{os.getpid()}.cpp", f"{path}.{os.getpid()}"  # beside it: os.replace stays atomic
         try:
-            with open(source, "w") as f:
-                f.write(SOURCE)
-            result = subprocess.run([compiler, *FLAGS, source, "-o", built], capture_output=True, text=True)
-            if result.returncode:
-                raise RuntimeError(f"building the AVX2 int8 kernels failed: {result.stderr.strip()[-300:]}")
-            os.replace(built, path)
-        finally:
-            for leftover in (source, built):
-                if os.path.exists(leftover):
-                    os.remove(leftover)
+            build(compiler, path)
+        except OSError as e:  # an unwritable cache folder: no candidate (RuntimeError), not a failed run
+            raise RuntimeError(f"cannot build the AVX2 int8 kernels in {folder} ({e.strerror})") from None
     lib = ctypes.CDLL(path)
     for kernel in (lib.float_rows, lib.int8_rows):
         kernel.argtypes, kernel.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3, None
     return lib
 
 
-def product(x, weight, folder):
-    """x (M, K) float32 or int8 times weight (N, K) int8, transposed: (M, N) float32."""
+def build(compiler, path):
+    """SOURCE compiled into path, written whole: built beside it under this process's name, then moved there."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    source, built = f"{path}.{os.getpid()}.cpp", f"{path}.{os.getpid()}"
+    try:
+        with open(source, "w") as f:
+            f.write(SOURCE)
+        result = subprocess.run([compiler, *FLAGS, source, "-o", built], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"building the AVX2 int8 kernels failed: {result.stderr.strip()[-300:]}")
+        os.replace(built, path)
+    finally:
+        for leftover in (source, built):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+
+
+def product(x, weight, cache_dir):
+    """x (M, K) float32 or int8 times weight (N, K) int8, transposed: (M, N) float32 (library(cache_dir)'s)."""
     x, weight = x.contiguous(), weight.contiguous()
     y = torch.empty(x.size(0), weight.size(0))
-    kernel = library(folder).int8_rows if x.dtype == torch.int8 else library(folder).float_rows
+    kernel = library(cache_dir).int8_rows if x.dtype == torch.int8 else library(cache_dir).float_rows
     kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *x.shape[:1], *weight.shape)
     return y

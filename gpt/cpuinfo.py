@@ -1,7 +1,10 @@
 """What CPU this is, read from /proc/cpuinfo: its model name (for the figures benchmarks print) and instruction-set
 extensions (for gpt/kernels.py's choice)."""
 
+import functools
 
+
+@functools.cache  # read once a process: the avx2-int8 kernel checks the flags at every call
 def cpuinfo_field(*keys):
     """The first value of any of keys in /proc/cpuinfo, or None where there is no such file (macOS, Windows)."""
     try:

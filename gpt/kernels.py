@@ -197,7 +197,7 @@ def avx2_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
     if not {"avx2", "fma"} <= set(cpu_flags()):  # an Arm CPU, an x86 one without them
         raise RuntimeError("the AVX2 int8 kernels need an x86 CPU with AVX2 and FMA")
     from gpt import avx2  # built on first use
-    y = avx2.product(x.reshape(-1, x.size(-1)), weight, cache_dir())  # (M, out)
+    y = avx2.product(x.reshape(-1, x.size(-1)), weight, cache_dir)  # (M, out)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.size(0))

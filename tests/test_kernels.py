@@ -208,6 +208,7 @@ def test_the_avx2_kernels_are_a_candidate_where_the_cpu_has_avx2_and_fma(monkeyp
 def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cache):
     from gpt import avx2 as avx2_module
     weight, x = torch.randint(-127, 128, (8, 40), dtype=torch.int8), torch.randn(2, 40)
+    avx2_module.library.cache_clear()  # as a new process, with this test's cache folder
     kernels.avx2_int8_linear(x, weight, None)
     assert [path.suffix for path in cache.iterdir()] == [".so"]  # written whole: no source or half-built file left
     avx2_module.library.cache_clear()  # as a new process: the kept build is loaded, nothing compiled
@@ -220,9 +221,13 @@ def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cach
 
 
 @avx2
-def test_without_a_compiler_the_avx2_kernels_are_no_candidate(monkeypatch):
+@pytest.mark.parametrize("missing", ["compiler", "writable cache folder"])
+def test_without_a_compiler_or_a_writable_folder_the_avx2_kernels_are_no_candidate(monkeypatch, cache, missing):
     from gpt import avx2 as avx2_module
-    monkeypatch.setenv("CXX", "no-such-compiler")
+    if missing == "compiler":
+        monkeypatch.setenv("CXX", "no-such-compiler")
+    else:
+        cache.write_text("a file where the folder would be")  # os.makedirs fails as in a read-only home
     avx2_module.library.cache_clear()
     usable = kernels.usable_kernels(Int8WeightOnlyLinear(nn.Linear(64, 48)), 1, compiled=False)
     avx2_module.library.cache_clear()  # built with the real compiler again in later tests
