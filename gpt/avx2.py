@@ -124,8 +124,9 @@ def build(compiler, path):
 
 def product(x, weight, cache_dir):
     """x (M, K) float32 or int8 times weight (N, K) int8, transposed: (M, N) float32 (library(cache_dir)'s)."""
-    x, weight = x.contiguous(), weight.contiguous()
+    x, weight = x.contiguous(), weight.contiguous()  # each itself where it is already (a quantized layer's weight is)
     y = torch.empty(x.size(0), weight.size(0))
-    kernel = library(cache_dir).int8_rows if x.dtype == torch.int8 else library(cache_dir).float_rows
-    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), *x.shape[:1], *weight.shape)
+    kernels = library(cache_dir)
+    (kernels.int8_rows if x.dtype == torch.int8 else kernels.float_rows)(x.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                                                                         x.size(0), *weight.shape)
     return y

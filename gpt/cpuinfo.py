@@ -20,6 +20,8 @@ def cpu_name():
     return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
+@functools.cache
 def cpu_flags():
-    """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"); [] where they cannot be read."""
-    return (cpuinfo_field("flags", "Features") or "").split()
+    """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"), in their order; () where they cannot be
+    read."""
+    return tuple((cpuinfo_field("flags", "Features") or "").split())
