@@ -4,7 +4,6 @@ extensions (for gpt/kernels.py's choice)."""
 import functools
 
 
-@functools.cache  # read once a process: the avx2-int8 kernel checks the flags at every call
 def cpuinfo_field(*keys):
     """The first value of any of keys in /proc/cpuinfo, or None where there is no such file (macOS, Windows)."""
     try:
@@ -20,7 +19,7 @@ def cpu_name():
     return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
-@functools.cache
+@functools.cache  # read once a process: kernels.py's avx2-int8 checks them at every product
 def cpu_flags():
     """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"), in their order; () where they cannot be
     read."""
