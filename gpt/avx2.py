@@ -1,10 +1,10 @@
-"""int8 weight products of a few rows on an x86 CPU with AVX2 (kernels.py's "avx2-int8"): C++ of our own, built once
-with the C++ compiler inductor uses (kept in kernels.cache_dir()), called through ctypes. Neither torch's kernels nor
-inductor's loops stream int8 weights fast where there is no AVX-512: they run 2-5x slower than float32 weights there
-(bench/RESULTS.md), so --quantize was a loss on most laptops.
+"""Products of int8 or 16-bit weights by a few rows on an x86 CPU with AVX2 (kernels.py's "avx2"): C++ of our own,
+built once with the C++ compiler inductor uses (kept in kernels.cache_dir()), called through ctypes. Neither torch's
+kernels nor inductor's loops stream such weights fast where there is no AVX-512: int8 ran 2-5x slower than float32
+weights there, 16-bit no faster (bench/RESULTS.md), so --quantize and --dtype were a loss on most laptops.
 
-- int8 weights, float32 rows (--quantize=int8): each weight sign-extended to int32 (8 a load), converted and multiplied
-  in float32: the same sums as F.linear(x, weight.float()), in another order.
+- int8, float16 or bfloat16 weights, float32 rows (--quantize=int8; --dtype's 16-bit rows, made float32): eight
+  weights a load made float32 and multiplied in float32, the same sums as F.linear(x, weight.float()) in another order.
 - int8 weights, int8 rows (--quantize=w8a8): whole-number sums, exact, as llama.cpp's q8_0 takes them on AVX2: the
   unsigned |x| times w given x's sign, so that the pair sums of _mm256_maddubs_epi16 (at most 2 * 127 * 127) never
   saturate int16, as oneDNN's int8 products do without VNNI.
@@ -33,39 +33,65 @@ static float sum_of(__m256 v) {
 // stream into the next (the hardware prefetcher alone kept a core at ~6 GB/s where it can read ~10: bench/RESULTS.md).
 // Only inside the weights: an address past them is never formed.
 #define AHEAD 4096
-static void fetch_ahead(const int8_t* w, int64_t at, int64_t size) {
-    if (at + AHEAD < size) _mm_prefetch((const char*)(w + at + AHEAD), _MM_HINT_T0);
+static void fetch_ahead(const void* w, int64_t at, int64_t size) {  // at, size: in bytes
+    if (at + AHEAD < size) _mm_prefetch((const char*)w + at + AHEAD, _MM_HINT_T0);
 }
 
-static __m256 weights_at(const int8_t* w) {  // 8 int8 weights as float32
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
-}
+// Each kind of weight: eight of them as float32, and one (a row's tail)
+struct Int8 {
+    typedef int8_t T;
+    static __m256 eight(const int8_t* w) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))); }
+    static float one(const int8_t* w) { return *w; }
+};
+struct Half {
+    typedef uint16_t T;
+    static __m256 eight(const uint16_t* w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)w)); }
+    static float one(const uint16_t* w) { return _cvtsh_ss(*w); }
+};
+struct BFloat {  // a bfloat16 is the upper half of a float32
+    typedef uint16_t T;
+    static __m256 eight(const uint16_t* w) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
+    }
+    static float one(const uint16_t* w) { uint32_t bits = (uint32_t)*w << 16; float f; __builtin_memcpy(&f, &bits, 4); return f; }
+};
 
-// y (M, N) = x (M, K) float32 times w (N, K) int8, transposed
-extern "C" void float_rows(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+template <typename W>
+static void by_float(const float* x, const typename W::T* w, float* y, int64_t M, int64_t N, int64_t K) {
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
-        const int8_t* wn = w + n * K;
+        const typename W::T* wn = w + n * K;
         for (int64_t m = 0; m < M; m++) {
             const float* xm = x + m * K;
             __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps(), c = _mm256_setzero_ps(), d = _mm256_setzero_ps();
             int64_t k = 0;
             for (; k + 32 <= K; k += 32) {  // four sums: the adds of one wait for none of the others
-                fetch_ahead(w, n * K + k, N * K);
-                a = _mm256_fmadd_ps(weights_at(wn + k), _mm256_loadu_ps(xm + k), a);
-                b = _mm256_fmadd_ps(weights_at(wn + k + 8), _mm256_loadu_ps(xm + k + 8), b);
-                c = _mm256_fmadd_ps(weights_at(wn + k + 16), _mm256_loadu_ps(xm + k + 16), c);
-                d = _mm256_fmadd_ps(weights_at(wn + k + 24), _mm256_loadu_ps(xm + k + 24), d);
+                fetch_ahead(w, sizeof(*w) * (n * K + k), sizeof(*w) * N * K);
+                a = _mm256_fmadd_ps(W::eight(wn + k), _mm256_loadu_ps(xm + k), a);
+                b = _mm256_fmadd_ps(W::eight(wn + k + 8), _mm256_loadu_ps(xm + k + 8), b);
+                c = _mm256_fmadd_ps(W::eight(wn + k + 16), _mm256_loadu_ps(xm + k + 16), c);
+                d = _mm256_fmadd_ps(W::eight(wn + k + 24), _mm256_loadu_ps(xm + k + 24), d);
             }
             float sum = sum_of(_mm256_add_ps(_mm256_add_ps(a, b), _mm256_add_ps(c, d)));
-            for (; k < K; k++) sum += xm[k] * wn[k];
+            for (; k < K; k++) sum += xm[k] * W::one(wn + k);
             y[m * N + n] = sum;
         }
     }
 }
 
-// y (M, N) = x (M, K) int8 times w (N, K) int8, transposed: the exact int32 sums, as float32
-extern "C" void int8_rows(const int8_t* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+extern "C" void int8_by_float(const float* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+    by_float<Int8>(x, w, y, M, N, K);
+}
+
+extern "C" void half_by_float(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+    by_float<Half>(x, w, y, M, N, K);
+}
+
+extern "C" void bfloat_by_float(const float* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K) {
+    by_float<BFloat>(x, w, y, M, N, K);
+}
+
+extern "C" void int8_by_int8(const int8_t* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
     const __m256i ones = _mm256_set1_epi16(1);
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -91,7 +117,10 @@ extern "C" void int8_rows(const int8_t* x, const int8_t* w, float* y, int64_t M,
     }
 }
 """
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+# the kernel for each (weight dtype, row dtype)
+KERNELS = {(torch.int8, torch.float32): "int8_by_float", (torch.float16, torch.float32): "half_by_float",
+           (torch.bfloat16, torch.float32): "bfloat_by_float", (torch.int8, torch.int8): "int8_by_int8"}
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
 @functools.cache
@@ -101,16 +130,16 @@ def library(cache_dir):
     compiler = os.environ.get("CXX", "g++")  # inductor's choice of compiler too
     digest = hashlib.sha1(" ".join([SOURCE, compiler, *FLAGS]).encode()).hexdigest()[:12]
     folder = cache_dir()
-    path = os.path.join(folder, f"int8_avx2_{digest}.so")
+    path = os.path.join(folder, f"avx2_{digest}.so")
     if not os.path.exists(path):
         if not shutil.which(compiler):
-            raise RuntimeError(f"the AVX2 int8 kernels are C++ built here, and there is no {compiler}")
+            raise RuntimeError(f"the AVX2 kernels are C++ built here, and there is no {compiler}")
         try:
             build(compiler, path)
         except OSError as e:  # an unwritable cache folder: no candidate (RuntimeError), not a failed run
-            raise RuntimeError(f"cannot build the AVX2 int8 kernels in {folder} ({e.strerror})") from None
+            raise RuntimeError(f"cannot build the AVX2 kernels in {folder} ({e.strerror})") from None
     lib = ctypes.CDLL(path)
-    for kernel in (lib.float_rows, lib.int8_rows):
+    for kernel in map(functools.partial(getattr, lib), KERNELS.values()):
         kernel.argtypes, kernel.restype = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3, None
     return lib
 
@@ -124,7 +153,7 @@ def build(compiler, path):
             f.write(SOURCE)
         result = subprocess.run([compiler, *FLAGS, source, "-o", built], capture_output=True, text=True)
         if result.returncode:
-            raise RuntimeError(f"building the AVX2 int8 kernels failed: {result.stderr.strip()[-300:]}")
+            raise RuntimeError(f"building the AVX2 kernels failed: {result.stderr.strip()[-300:]}")
         os.replace(built, path)
     finally:
         for leftover in (source, built):
@@ -133,10 +162,10 @@ def build(compiler, path):
 
 
 def product(x, weight, cache_dir):
-    """x (M, K) float32 or int8 times weight (N, K) int8, transposed: (M, N) float32 (library(cache_dir)'s)."""
-    x, weight = x.contiguous(), weight.contiguous()  # each itself where it is already (a quantized layer's weight is)
+    """x (M, K) float32 or int8 times weight (N, K) as KERNELS pairs them, transposed: (M, N) float32 (the kernels of
+    library(cache_dir))."""
+    x, weight = x.contiguous(), weight.contiguous()  # each itself where it is already (a model's weight is)
     y = torch.empty(x.size(0), weight.size(0))
-    kernels = library(cache_dir)
-    (kernels.int8_rows if x.dtype == torch.int8 else kernels.float_rows)(x.data_ptr(), weight.data_ptr(), y.data_ptr(),
-                                                                         x.size(0), *weight.shape)
+    kernel = getattr(library(cache_dir), KERNELS[weight.dtype, x.dtype])
+    kernel(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.size(0), *weight.shape)
     return y

@@ -188,25 +188,28 @@ def int_mm_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     return y.view(*x.shape[:-1], weight.size(0))
 
 
-@opaque_when_compiled("avx2_int8_linear")
-def avx2_int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """gpt/avx2.py's C++ products of int8 weights by float32 rows, or by int8 rows with exact sums, as float32 (+ bias):
-    on an x86 CPU with AVX2 and FMA, where torch's kernels read int8 weights slower than float32 ones."""
-    if weight.dtype != torch.int8 or x.dtype not in (torch.float32, torch.int8):
-        raise RuntimeError("the AVX2 int8 kernels take int8 weights and float32 or int8 rows")
-    if not {"avx2", "fma"} <= set(cpu_flags()):  # an Arm CPU, an x86 one without them
-        raise RuntimeError("the AVX2 int8 kernels need an x86 CPU with AVX2 and FMA")
+@opaque_when_compiled("avx2_linear")
+def avx2_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """gpt/avx2.py's C++ products (+ bias), where torch's kernels read int8 or 16-bit weights no faster than float32
+    ones: int8 weights by float32 rows, or by int8 rows with exact sums (float32 out); float16 or bfloat16 weights by
+    rows of their dtype, summed in float32. On an x86 CPU with AVX2, FMA and F16C (nearly every one since 2013)."""
+    half = weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
+    if not half and (weight.dtype != torch.int8 or x.dtype not in (torch.float32, torch.int8)):
+        raise RuntimeError("the AVX2 kernels take int8 weights by float32 or int8 rows, or 16-bit ones by their dtype's")
+    if not {"avx2", "fma", "f16c"} <= set(cpu_flags()):  # an Arm CPU, an x86 one without them
+        raise RuntimeError("the AVX2 kernels need an x86 CPU with AVX2, FMA and F16C")
     from gpt import avx2  # built on first use
-    y = avx2.product(x.reshape(-1, x.size(-1)), weight, cache_dir)  # (M, out)
+    rows = x.reshape(-1, x.size(-1))  # (M, in)
+    y = avx2.product(rows.float() if half else rows, weight, cache_dir)  # (M, out) float32
     if bias is not None:
         y = y + bias
-    return y.view(*x.shape[:-1], weight.size(0))
+    return y.to(x.dtype if half else torch.float32).view(*x.shape[:-1], weight.size(0))
 
 
 KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
            "reduction": reduction_linear, "int8-words": int8_words_linear, "onednn-packed": packed_onednn_linear,
            "int8pack": int8pack_linear, "onednn-int8": onednn_int8_linear, "int-mm": int_mm_linear,
-           "avx2-int8": avx2_int8_linear}
+           "avx2": avx2_linear}
 COMPILED_ONLY = ("reduction", "int8-words")  # eager, they would hold x * W whole
 COPIES_WEIGHTS = ("onednn-packed", "onednn-int8")  # candidates only where a second copy of the weights fits
 

@@ -42,14 +42,16 @@ def linears_of(model):
     return [m for m in model.modules() if kernels.is_decode_linear(m)]
 
 
-INT8_ONLY, FLOAT_ONLY = ("int8pack", "int8-words", "avx2-int8"), ("onednn-packed",)  # each takes one kind of weight
+INT8_ONLY, FLOAT_ONLY = ("int8pack", "int8-words"), ("onednn-packed",)  # each takes one kind of weight
+NOT_FLOAT32 = ("avx2",)  # int8 and 16-bit weights only: float32 ones it would read no faster than torch does
 INT8_ROWS = ("onednn-int8", "int-mm")  # the kernels for int8 rows (a W8A8Linear's) and int8 weights only
 ONEDNN = ("onednn", "onednn-packed")  # the kernels a torch build may lack
 
 
 def has_avx2():
-    """Whether gpt/avx2.py's kernels run here (an x86 CPU with AVX2 and FMA: CI's, and nearly every x86 since 2015)."""
-    return {"avx2", "fma"} <= set(cpu_flags())
+    """Whether gpt/avx2.py's kernels run here (an x86 CPU with AVX2, FMA and F16C: CI's, and nearly every x86 since
+    2015)."""
+    return {"avx2", "fma", "f16c"} <= set(cpu_flags())
 
 
 def has_vnni():
@@ -57,7 +59,7 @@ def has_vnni():
     return bool({"avx512_vnni", "avx_vnni"} & set(cpu_flags()))
 
 
-@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY + INT8_ROWS])
+@pytest.mark.parametrize("name", [name for name in kernels.KERNELS if name not in INT8_ONLY + INT8_ROWS + NOT_FLOAT32])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_kernel_computes_the_linear_layers_product_in_the_inputs_shape(name, rows, bias):
@@ -81,7 +83,7 @@ def test_every_kernel_casts_an_int8_weight_to_the_inputs_dtype(name, dtype):
         return
     if name == "onednn" and dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return  # no bfloat16 inner product in oneDNN on this CPU (AVX2 only): usable_kernels drops it on its error
-    if name == "avx2-int8" and dtype != torch.float32:  # float32 rows only (and int8 ones): no candidate for bf16
+    if name == "avx2" and dtype != torch.float32:  # int8 weights by float32 rows (or int8 ones): no candidate for bf16
         assert name not in kernels.usable_kernels(Int8WeightOnlyLinear(nn.Linear(32, 40).to(dtype)), 1, compiled=False)
         return
     expected = x.double() @ weight.double().T
@@ -98,7 +100,7 @@ def test_a_kernel_for_one_kind_of_weight_is_no_candidate_for_the_other(name, wei
     assert name not in kernels.usable_kernels(layer, 1, compiled=False)
 
 
-@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction", "int8-words", "avx2-int8"))
+@pytest.mark.parametrize("name", INT8_ROWS + ("torch", "matrix-vector", "reduction", "int8-words", "avx2"))
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
     """int8 rows times int8 weights, every sum exact, the largest ones too (rows of +-127 against a weight row of 127:
@@ -113,7 +115,7 @@ def test_an_int8_rows_kernel_gives_the_exact_integer_sums(name, rows):
         x[-1, 0, :128] = -127
     usable = kernels.usable_kernels(layer, rows, compiled=True)
     if name not in usable:
-        assert (name in INT8_ROWS and not has_vnni()) or (name == "avx2-int8" and not has_avx2()), (
+        assert (name in INT8_ROWS and not has_vnni()) or (name == "avx2" and not has_avx2()), (
             f"{name} is no candidate: {usable}")
         return
     expected = x.double() @ layer.weight.double().T  # (rows, 1, 80)
@@ -157,14 +159,14 @@ def test_an_int8_rows_kernel_that_saturates_is_no_candidate(avx2_process):
     assert result.returncode == 0, result.stderr
     usable, saturated = result.stdout.strip().splitlines()
     usable = eval(usable)
-    assert "avx2-int8" in usable or not has_avx2()  # its int16 pair sums stay below saturation: exact everywhere
+    assert "avx2" in usable or not has_avx2()  # its int16 pair sums stay below saturation: exact everywhere
     if int(saturated) == 127 * 127 * 768:  # some AVX2 CPUs (an AMD EPYC Zen 3) sum exactly: int_mm is kept there
         assert "torch" in usable and "int-mm" in usable
         return
     assert "torch" in usable and not set(INT8_ROWS) & set(usable)  # saturating: only float32 products are left
 
 
-avx2 = pytest.mark.skipif(not has_avx2(), reason="gpt/avx2.py's kernels need an x86 CPU with AVX2 and FMA")
+avx2 = pytest.mark.skipif(not has_avx2(), reason="gpt/avx2.py's kernels need an x86 CPU with AVX2, FMA and F16C")
 
 
 @avx2
@@ -179,7 +181,7 @@ def test_the_avx2_kernels_give_the_product_at_every_width_and_row_count(width, r
     weight[0], weight[1] = -127, 127
     x = torch.randn(width, rows).T  # (rows, width), its rows strided
     expected = x.double() @ weight.double().T
-    actual = kernels.avx2_int8_linear(x, weight, None)
+    actual = kernels.avx2_linear(x, weight, None)
     assert actual.shape == (rows, 70) and actual.dtype == torch.float32
     assert (actual.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     rows_int8 = torch.randint(-127, 128, (rows, width), dtype=torch.int8)
@@ -187,21 +189,41 @@ def test_the_avx2_kernels_give_the_product_at_every_width_and_row_count(width, r
     if rows > 1:
         rows_int8[-1, : width // 2] = 0
     expected = rows_int8.double() @ weight.double().T
-    assert torch.equal(kernels.avx2_int8_linear(rows_int8, weight, None).double(), expected)
+    assert torch.equal(kernels.avx2_linear(rows_int8, weight, None).double(), expected)
     assert expected[0, 0] == 127 * 127 * width and expected[0, 1] == -127 * 127 * width
 
 
-@pytest.mark.parametrize("flags, usable", [("fpu sse4_2 avx avx2 fma", True), ("fpu sse4_2 avx avx2 fma avx512f", True),
-                                           ("fpu sse4_2 avx", False), ("fp asimd evtstrm aes crc32 atomics", False)])
+@avx2
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 31, 33, 768])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_avx2_kernels_multiply_16_bit_weights_in_float32(dtype, width, rows):
+    """16-bit weights by rows of their dtype (--dtype=float16 or bfloat16), rows strided, with a bias: each weight
+    made float32 exactly and the sums taken in float32, so the result is the exact product rounded once to the dtype,
+    not a sum of 16-bit roundings; extremes included (65504, float16's largest)."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(70, width).to(dtype), torch.randn(70).to(dtype)
+    weight[0, 0] = 65504.0 if dtype == torch.float16 else 3.0e38
+    x = torch.randn(width, rows).to(dtype).T  # (rows, width), its rows strided
+    exact = (x.double() @ weight.double().T + bias.double()).float()
+    actual = kernels.avx2_linear(x, weight, bias)
+    assert actual.shape == (rows, 70) and actual.dtype == dtype
+    torch.testing.assert_close(actual, exact.to(dtype), atol=0, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+
+
+@pytest.mark.parametrize("flags, usable", [("fpu sse4_2 avx f16c avx2 fma", True),
+                                           ("fpu sse4_2 avx f16c avx2 fma avx512f", True),
+                                           ("fpu sse4_2 avx f16c", False), ("fp asimd evtstrm aes crc32 atomics", False)])
 def test_the_avx2_kernels_are_a_candidate_where_the_cpu_has_avx2_and_fma(monkeypatch, flags, usable):
     """Chosen from the CPU's flags (faked here): an AVX2 CPU (most laptops) and an AVX-512 one measure them beside the
     others, an x86 CPU without AVX2 and an Arm one (Apple Silicon) never run them."""
     if usable and not has_avx2():
         pytest.skip("this CPU cannot run them, whatever its flags say")
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.split())
-    for layer in (Int8WeightOnlyLinear(nn.Linear(64, 48)), W8A8Linear(nn.Linear(64, 48))):
-        assert ("avx2-int8" in kernels.usable_kernels(layer, 1, compiled=False)) == usable
-    assert "avx2-int8" not in kernels.usable_kernels(nn.Linear(64, 48), 1, compiled=False)  # int8 weights only
+    for layer in (Int8WeightOnlyLinear(nn.Linear(64, 48)), W8A8Linear(nn.Linear(64, 48)),
+                  nn.Linear(64, 48).to(torch.float16), nn.Linear(64, 48).to(torch.bfloat16)):
+        assert ("avx2" in kernels.usable_kernels(layer, 1, compiled=False)) == usable
+    assert "avx2" not in kernels.usable_kernels(nn.Linear(64, 48), 1, compiled=False)  # not float32 weights
 
 
 @avx2
@@ -209,7 +231,7 @@ def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cach
     from gpt import avx2 as avx2_module
     weight, x = torch.randint(-127, 128, (8, 40), dtype=torch.int8), torch.randn(2, 40)
     avx2_module.library.cache_clear()  # as a new process, with this test's cache folder
-    kernels.avx2_int8_linear(x, weight, None)
+    kernels.avx2_linear(x, weight, None)
     assert [path.suffix for path in cache.iterdir()] == [".so"]  # written whole: no source or half-built file left
     avx2_module.library.cache_clear()  # as a new process: the kept build is loaded, nothing compiled
 
@@ -217,7 +239,7 @@ def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cach
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(avx2_module.subprocess, "run", no_compiler)
-    torch.testing.assert_close(kernels.avx2_int8_linear(x, weight, None), F.linear(x, weight.float()))
+    torch.testing.assert_close(kernels.avx2_linear(x, weight, None), F.linear(x, weight.float()))
 
 
 @avx2
@@ -231,24 +253,29 @@ def test_without_a_compiler_or_a_writable_folder_the_avx2_kernels_are_no_candida
     avx2_module.library.cache_clear()
     usable = kernels.usable_kernels(Int8WeightOnlyLinear(nn.Linear(64, 48)), 1, compiled=False)
     avx2_module.library.cache_clear()  # built with the real compiler again in later tests
-    assert "avx2-int8" not in usable and "torch" in usable
+    assert "avx2" not in usable and "torch" in usable
 
 
 @avx2
-@pytest.mark.parametrize("scheme", [Int8WeightOnlyLinear, W8A8Linear])
+@pytest.mark.parametrize("scheme", [Int8WeightOnlyLinear, W8A8Linear, torch.bfloat16])
 def test_the_avx2_kernels_compiled_give_the_eager_models_logits(monkeypatch, scheme):
     """Compiled, the product is an op inductor calls as it is (no graph break), eager a plain call: both give the
-    quantized model's own forward."""
+    quantized (or bfloat16) model's own forward."""
     model, one = tiny_model(), torch.randint(0, 64, (1, 1))
-    replace_linears(model, scheme)
-    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "avx2-int8")
+    if isinstance(scheme, torch.dtype):
+        model.to(scheme)
+    else:
+        replace_linears(model, scheme)
+    tolerance = dict(atol=2e-2, rtol=2e-2) if isinstance(scheme, torch.dtype) else dict(atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(kernels, "fastest_kernel", lambda layers, rows, compiled: "avx2")
     with torch.inference_mode():
         expected = model(one)[0]
         with kernels.decode_linears(model, rows=1, compiled=True):
-            assert all(isinstance(m, kernels.DecodeLinear) for m in model.modules() if hasattr(m, "through"))
-            torch.testing.assert_close(model(one)[0], expected, atol=1e-5, rtol=1e-5)
+            assert all(isinstance(m, kernels.DecodeLinear) for m in model.modules()
+                       if hasattr(m, "through") or isinstance(m, nn.Linear))
+            torch.testing.assert_close(model(one)[0], expected, **tolerance)
             compiled = torch.compile(model, dynamic=False, fullgraph=True)
-            torch.testing.assert_close(compiled(one)[0], expected, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(compiled(one)[0], expected, **tolerance)
 
 
 def test_a_w8a8_layers_rows_are_quantized_then_scaled_after_the_kernels_product(monkeypatch):
