@@ -19,6 +19,8 @@ import subprocess
 
 import torch
 
+from gpt.cpuinfo import cpu_flags
+
 SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
@@ -126,7 +128,9 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 @functools.cache
 def library(cache_dir):
     """The kernels, built on first use into the folder cache_dir() names (a file per source and flags, written
-    whole), loaded once a process."""
+    whole), loaded once a process; a RuntimeError where this CPU cannot run them (checked here: once a process)."""
+    if not {"avx2", "fma", "f16c"} <= set(cpu_flags()):  # an Arm CPU, an x86 one without them
+        raise RuntimeError("the AVX2 kernels need an x86 CPU with AVX2, FMA and F16C")
     compiler = os.environ.get("CXX", "g++")  # inductor's choice of compiler too
     digest = hashlib.sha1(" ".join([SOURCE, compiler, *FLAGS]).encode()).hexdigest()[:12]
     folder = cache_dir()

@@ -219,7 +219,9 @@ def test_the_avx2_kernels_are_a_candidate_where_the_cpu_has_avx2_and_fma(monkeyp
     others, an x86 CPU without AVX2 and an Arm one (Apple Silicon) never run them."""
     if usable and not has_avx2():
         pytest.skip("this CPU cannot run them, whatever its flags say")
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags.split())
+    from gpt import avx2 as avx2_module
+    monkeypatch.setattr(avx2_module, "cpu_flags", lambda: flags.split())
+    avx2_module.library.cache_clear()  # as a process on that CPU
     for layer in (Int8WeightOnlyLinear(nn.Linear(64, 48)), W8A8Linear(nn.Linear(64, 48)),
                   nn.Linear(64, 48).to(torch.float16), nn.Linear(64, 48).to(torch.bfloat16)):
         assert ("avx2" in kernels.usable_kernels(layer, 1, compiled=False)) == usable
