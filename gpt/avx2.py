@@ -58,6 +58,7 @@ struct BFloat {  // a bfloat16 is the upper half of a float32
     static float one(const uint16_t* w) { uint32_t bits = (uint32_t)*w << 16; float f; __builtin_memcpy(&f, &bits, 4); return f; }
 };
 
+// y (M, N) = x (M, K) float32 times w (N, K) of kind W, transposed
 template <typename W>
 static void by_float(const float* x, const typename W::T* w, float* y, int64_t M, int64_t N, int64_t K) {
     #pragma omp parallel for schedule(static)
@@ -93,6 +94,7 @@ extern "C" void bfloat_by_float(const float* x, const uint16_t* w, float* y, int
     by_float<BFloat>(x, w, y, M, N, K);
 }
 
+// y (M, N) = x (M, K) int8 times w (N, K) int8, transposed: the exact int32 sums, as float32
 extern "C" void int8_by_int8(const int8_t* x, const int8_t* w, float* y, int64_t M, int64_t N, int64_t K) {
     const __m256i ones = _mm256_set1_epi16(1);
     #pragma omp parallel for schedule(static)
