@@ -235,11 +235,20 @@ def cache_dir():
 
 
 def this_machine():
-    """What every remembered choice holds only for, the candidates included (a kernel added to KERNELS gets measured).
-    The thread count is in each choice's key instead: runs with other counts (a torchrun worker's one thread, a
-    user's default) each keep theirs, rather than wiping the file for one another."""
+    """What every remembered choice holds only for, the candidates and their code included (a kernel added to KERNELS,
+    or one made faster by an update of this repo, gets measured again). The thread count is in each choice's key
+    instead: runs with other counts (a torchrun worker's one thread, a user's default) each keep theirs, rather than
+    wiping the file for one another."""
     return {"cpu": cpu_name(), "cpu_flags": hashlib.sha1(" ".join(cpu_flags()).encode()).hexdigest()[:12],
-            "torch": torch.__version__, "kernels": list(KERNELS)}
+            "torch": torch.__version__, "kernels": list(KERNELS), "code": kernels_code()}
+
+
+@functools.cache
+def kernels_code():
+    """A digest of the candidates' code: this file and gpt/avx2.py (whose C++ some of them call)."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    code = b"".join(open(os.path.join(folder, name), "rb").read() for name in ("kernels.py", "avx2.py"))
+    return hashlib.sha1(code).hexdigest()[:12]
 
 
 def read_kept(path):

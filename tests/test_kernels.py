@@ -425,6 +425,21 @@ def test_a_choice_from_another_machine_or_torch_is_measured_again(monkeypatch, c
                     "seconds": {key: [1.0, None]}}
 
 
+def test_a_choice_kept_before_the_kernels_code_changed_is_measured_again(monkeypatch, cache):
+    """An update of this repo may make a kernel faster and leave the list of kernels as it was (gpt/avx2.py's prefetch
+    did, 1.5x): a choice kept on this machine before it is measured again, not trusted."""
+    model = tiny_model()
+    key = kernels.choice_key(linears_of(model), 1, False)
+    cache.mkdir()
+    (cache / "kernels.json").write_text(json.dumps({"machine": kernels.this_machine(), "choices": {key: "matrix-vector"},
+                                                    "seconds": {key: [1.0, None]}}))
+    measured = []
+    monkeypatch.setattr(kernels, "measure", lambda layers, rows, candidates, compiled: measured.append(rows) or (
+        "torch", 1.0, None))
+    monkeypatch.setattr(kernels, "kernels_code", lambda: "an edited one")
+    assert kernels.fastest_kernel(linears_of(model), 1, compiled=False) == "torch" and measured == [1]
+
+
 def test_each_thread_count_measures_and_keeps_its_own_choice(monkeypatch, cache):
     """A run with other threads (a torchrun worker's one, beside a user's default) measures again, and both choices
     stay: neither wipes the other's from kernels.json."""
