@@ -42,7 +42,9 @@ static void fetch_ahead(const void* w, int64_t at, int64_t size) {  // at, size:
 // Each kind of weight: eight of them as float32, and one (a row's tail)
 struct Int8 {
     typedef int8_t T;
-    static __m256 eight(const int8_t* w) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w))); }
+    static __m256 eight(const int8_t* w) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+    }
     static float one(const int8_t* w) { return *w; }
 };
 struct Half {
@@ -55,7 +57,12 @@ struct BFloat {  // a bfloat16 is the upper half of a float32
     static __m256 eight(const uint16_t* w) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)w)), 16));
     }
-    static float one(const uint16_t* w) { uint32_t bits = (uint32_t)*w << 16; float f; __builtin_memcpy(&f, &bits, 4); return f; }
+    static float one(const uint16_t* w) {
+        uint32_t bits = (uint32_t)*w << 16;
+        float f;
+        __builtin_memcpy(&f, &bits, 4);
+        return f;
+    }
 };
 
 // y (M, N) = x (M, K) float32 times w (N, K) of kind W, transposed

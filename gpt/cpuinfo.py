@@ -19,7 +19,7 @@ def cpu_name():
     return cpuinfo_field("model name") or platform.processor() or platform.machine() or "unknown"
 
 
-@functools.cache  # read once a process: kernels.py's avx2 checks them at every product
+@functools.cache  # read once a process: kernels.json's key and gpt/avx2.py's check read them
 def cpu_flags():
     """The CPU's instruction-set extensions (x86's "flags", Arm's "Features"), in their order; () where they cannot be
     read."""

@@ -51,8 +51,8 @@ def opaque_when_compiled(name):
     def decorate(product):
         OPS.define(f"{name}(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
         OPS.impl(name, product, "CPU")
-        torch.library.register_fake(f"gpt::{name}", lib=OPS)(lambda x, weight, bias: x.new_empty(
-            *x.shape[:-1], weight.size(0), dtype=x.dtype if x.is_floating_point() else torch.float32))  # int8 rows: float32
+        torch.library.register_fake(f"gpt::{name}", lib=OPS)(lambda x, weight, bias: x.new_empty(  # int8 rows: float32
+            *x.shape[:-1], weight.size(0), dtype=x.dtype if x.is_floating_point() else torch.float32))
         op = getattr(torch.ops.gpt, name).default
         return functools.wraps(product)(lambda x, weight, bias: (op if torch.compiler.is_compiling() else product)(
             x, weight, bias))  # eager: without the op's dispatch
@@ -201,13 +201,13 @@ def avx2_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     rows of their dtype, summed in float32. On an x86 CPU with AVX2, FMA and F16C (nearly every one since 2013)."""
     half = weight.dtype in (torch.float16, torch.bfloat16) and x.dtype == weight.dtype
     if not half and (weight.dtype != torch.int8 or x.dtype not in (torch.float32, torch.int8)):
-        raise RuntimeError("the AVX2 kernels take int8 weights by float32 or int8 rows, or 16-bit ones by their dtype's")
+        raise RuntimeError("the AVX2 kernels take int8 weights by float32 or int8 rows, or 16-bit ones by their own")
     from gpt import avx2  # built on first use, on a CPU that has what they need
     rows = x.reshape(-1, x.size(-1))  # (M, in)
     y = avx2.product(rows.float() if half else rows, weight, cache_dir)  # (M, out) float32
     if bias is not None:
         y = y + bias
-    return y.to(x.dtype if half else torch.float32).view(*x.shape[:-1], weight.size(0))
+    return (y.to(x.dtype) if half else y).view(*x.shape[:-1], weight.size(0))
 
 
 KERNELS = {"torch": torch_linear, "onednn": onednn_linear, "matrix-vector": matrix_vector_linear,
@@ -247,8 +247,11 @@ def this_machine():
 def kernels_code():
     """A digest of the candidates' code: this file and gpt/avx2.py (whose C++ some of them call)."""
     folder = os.path.dirname(os.path.abspath(__file__))
-    code = b"".join(open(os.path.join(folder, name), "rb").read() for name in ("kernels.py", "avx2.py"))
-    return hashlib.sha1(code).hexdigest()[:12]
+    digest = hashlib.sha1()
+    for name in ("kernels.py", "avx2.py"):
+        with open(os.path.join(folder, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def read_kept(path):

@@ -26,9 +26,10 @@ one-row product reads the same int8 weights as "int8"; several rows (a batch, a 
 where weight-only int8 converts every weight for every row and runs out of arithmetic on a CPU. So "int8" is the
 faster at batch 1 and "w8a8" at several rows (bench/bench_kernels.py; kernels.py picks each product's kernel by
 measurement, and drops oneDNN's int8 x int8 kernels on a CPU without VNNI, where their sums saturate; gpt/avx2.py's
-do not). Each row keeps its own scale, so a row's result never depends on the others in its batch (fbgemm's dynamic int8, above, took one scale
-per call). Its layer's own forward, for prefills and devices without such a kernel, multiplies the rows' integers
-in float32. The quality cost is measured by bench/bench_quality.py (bits per byte, greedy agreement with float32).
+do not). Each row keeps its own scale, so a row's result never depends on the others in its batch (fbgemm's dynamic
+int8, above, took one scale per call). Its layer's own forward, for prefills and devices without such a kernel,
+multiplies the rows' integers in float32. The quality cost is measured by bench/bench_quality.py (bits per byte,
+greedy agreement with float32).
 """
 
 

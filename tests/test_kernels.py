@@ -213,8 +213,8 @@ def test_the_avx2_kernels_multiply_16_bit_weights_in_float32(dtype, width, rows)
 
 
 @pytest.mark.parametrize("flags, usable", [("fpu sse4_2 avx f16c avx2 fma", True),
-                                           ("fpu sse4_2 avx f16c avx2 fma avx512f", True),
-                                           ("fpu sse4_2 avx f16c", False), ("fp asimd evtstrm aes crc32 atomics", False)])
+                                           ("fpu sse4_2 avx f16c avx2 fma avx512f", True), ("fpu sse4_2 avx f16c", False),
+                                           ("fp asimd evtstrm aes crc32 atomics", False)])
 def test_the_avx2_kernels_are_a_candidate_where_the_cpu_has_avx2_and_fma(monkeypatch, flags, usable):
     """Chosen from the CPU's flags (faked here): an AVX2 CPU (most laptops) and an AVX-512 one measure them beside the
     others, an x86 CPU without AVX2 and an Arm one (Apple Silicon) never run them."""
