@@ -107,28 +107,21 @@ def check_settings(settings):
     return settings
 
 
-def compile_backend(compile, device_type):
-    """torch.compile's backend for the training step, or None (eager): on CUDA only, where compiling pays within a
-    run (on a CPU inductor's compilation takes minutes)."""
+def compile_backend(compile, device_type):  # on CUDA only: on a CPU, inductor compiles for minutes a run
     return "inductor" if compile and device_type == "cuda" else None
 
 
 def make_optimizers(model, settings, device_type, sharded=False):
     """AdamW with weight decay on matrices only (not norms or biases); with optimizer="muon", Muon takes the weight
-    matrices inside the blocks, and AdamW the embeddings (an nn.Embedding's rows are lookups, not a map to
-    orthogonalize, also inside a block), the head, norms and biases. optimizer_step sets the learning rate."""
+    matrices inside the blocks, AdamW the rest (embeddings too: their rows are lookups, not a map to orthogonalize)."""
     optimizer, weight_decay = settings["optimizer"], settings["weight_decay"]
     if optimizer not in ("adamw", "muon"):
         raise UserError(f"optimizer must be adamw or muon, got {optimizer!r}")
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
     hidden_matrices, other_matrices, vectors = [], [], []
     for name, param in model.named_parameters():
-        if param.dim() < 2:
-            vectors.append(param)
-        elif optimizer == "muon" and name.startswith("layers.") and id(param) not in embeddings:
-            hidden_matrices.append(param)
-        else:
-            other_matrices.append(param)
+        muon_takes = optimizer == "muon" and name.startswith("layers.") and id(param) not in embeddings
+        (vectors if param.dim() < 2 else hidden_matrices if muon_takes else other_matrices).append(param)
     groups = [dict(params=other_matrices, weight_decay=weight_decay), dict(params=vectors, weight_decay=0.0)]
     adamw = torch.optim.AdamW(groups, betas=(settings["beta1"], settings["beta2"]), fused=device_type == "cuda")
     if optimizer == "adamw":
@@ -244,9 +237,8 @@ def train(settings, run_dir):
     autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
-        from gpt.parallel import micro_steps_per_process, split_over_processes
-        settings, note = split_over_processes(settings, world_size)  # saved as it ran
-        micro_steps = micro_steps_per_process(settings, world_size)
+        from gpt.parallel import global_batch
+        settings, micro_steps, note = global_batch(settings, world_size)  # the settings saved as it ran
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
     checkpoint = None
     if settings["init_from"] == "resume":  # continuing a run: gpt/resume.py, imported only then

@@ -7,8 +7,7 @@ from gpt import UserError
 
 def resolve_device(device):
     """"auto": CUDA, then MPS, then CPU; anything else as given. A CUDA device with an index is made the current one:
-    torch.compile, fused AdamW and the caching allocator use the current device, not the model's, so --device=cuda:1
-    would otherwise still touch cuda:0. Plain "cuda" is the current device (and set_device refuses it)."""
+    torch.compile, fused AdamW and the allocator use the current device, so --device=cuda:1 would still touch cuda:0."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if device.startswith("cuda"):

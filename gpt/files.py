@@ -1,5 +1,5 @@
-"""Files a run cannot afford to lose: written whole or not at all (atomic_open), a failed write one line with the OS's
-reason (failing_write), one writer at a time in a folder (lock_folder); RunDir, train.py's out_dir as rank 0 holds it."""
+"""Files a run cannot afford to lose: written whole or not at all (atomic_open), a failed write one line with the
+OS's reason (failing_write), one writer at a time in a folder (lock_folder); RunDir: train.py's out_dir, rank 0's."""
 
 import contextlib
 import json
@@ -7,26 +7,23 @@ import os
 
 from gpt import UserError
 
-# what to do once a write in a run's out_dir failed: ckpt.pt is never cut short
-RESUME = ("; the last checkpoint this run saved, if any, is whole: free some space and continue from it with "
-          "--init_from=resume")
+RESUME = "; the last checkpoint saved, if any, is whole: free some space and continue from it with --init_from=resume"
 
 
 @contextlib.contextmanager
 def atomic_open(path, mode="wb"):
-    """A temp file beside path, moved there once the block succeeded and the data is on disk: a crash, kill or full
-    disk leaves the old file (or none), never a torn one (a SIGKILL may leave the temp; the next write replaces it)."""
-    tmp = f"{path}.tmp"  # same folder, so os.replace is atomic
+    """A temp file beside path (so os.replace is atomic), moved there once the block succeeded and the data is on disk:
+    a crash, kill or full disk leaves the old file (or none), never a torn one."""
+    tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    finally:  # the temp is left only by a failed write (or a SIGKILL's, which the next write replaces)
         with contextlib.suppress(OSError):
             os.remove(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -36,9 +33,8 @@ def failing_write(path, way_on=""):
     try:
         yield
     except Exception as e:
-        cause = e if isinstance(e, OSError) else e.__context__
-        reason = getattr(cause, "strerror", None) or (str(e) or type(e).__name__).splitlines()[0]
-        raise UserError(f"could not write {path} ({reason}){way_on}") from None
+        reason = getattr(e if isinstance(e, OSError) else e.__context__, "strerror", None)
+        raise UserError(f"could not write {path} ({reason or str(e).splitlines()[0]}){way_on}") from None
 
 
 def write_json(path, obj, **dump_args):
@@ -48,16 +44,15 @@ def write_json(path, obj, **dump_args):
 
 
 def lock_folder(folder, holder):
-    """folder (made if missing) under an exclusive flock on folder/lock until the returned file is closed or the
-    process ends: the OS releases a killed holder's lock, so a stale lock file never blocks."""
+    """folder (made if missing) under an exclusive flock on folder/lock, which holds this process's pid, until the
+    returned file is closed or the process ends: the OS releases a killed holder's lock, so no stale lock blocks."""
+    import fcntl  # POSIX: Linux and macOS
+
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
-        with contextlib.suppress(ImportError):  # POSIX only: Windows has no fcntl, and there nothing is locked
-            import fcntl
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.close()
         from gpt.hints import folder_in_use  # imported only on the error, as every hint
         raise UserError(folder_in_use(folder, holder)) from None
     except OSError as e:
@@ -70,10 +65,10 @@ def lock_folder(folder, holder):
 
 class RunDir:
     """out_dir, locked from RunDir() to close(): refused where it holds a run that this one would replace (unless
-    overwrite), then its metrics.jsonl (also sent to wandb if asked) and ckpt.pt."""
+    overwrite); then its metrics.jsonl (sent to wandb too if asked) and ckpt.pt."""
 
     def __init__(self, settings):
-        self.out_dir, self.wandb, self.created = settings["out_dir"], None, not os.path.isdir(settings["out_dir"])
+        self.out_dir, self.created, self.wandb = settings["out_dir"], not os.path.isdir(settings["out_dir"]), None
         self.ckpt_path, self.log_path = (os.path.join(self.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl"))
         self.lock = lock_folder(self.out_dir, "training run")  # before anything in out_dir is read or written
         if settings["init_from"] != "resume" and os.path.exists(self.ckpt_path) and not settings["overwrite"]:
@@ -81,25 +76,20 @@ class RunDir:
             from gpt.hints import overwrite_refused
             raise UserError(overwrite_refused(self.ckpt_path, settings["init_from"]))
 
-    def start(self, settings, resumed):
-        """A resumed run continues the log (gpt/resume.py cuts it back to the checkpoint); any other removes the earlier
-        run's files."""
+    def start(self, settings, resumed):  # once the run is set up: a resumed run's log goes on (gpt/resume.py)
         if settings["wandb_log"]:  # imported before anything is removed
             try:
                 import wandb
             except ImportError:
-                raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb "
-                                "(or drop --wandb_log)") from None
-        if not resumed:
-            if os.path.exists(self.ckpt_path):
-                print(f"overwrite: removing the earlier run's {self.ckpt_path} and {self.log_path}")
-            for path in (self.ckpt_path, self.log_path):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-        if settings["wandb_log"]:
+                raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb") from None
             self.wandb = wandb
-            wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
-                       dir=self.out_dir)
+        for path in () if resumed else (self.ckpt_path, self.log_path):  # the earlier run's files go
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+                print(f"overwrite: removed the earlier run's {path}")
+        if self.wandb:
+            self.wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
+                            dir=self.out_dir)
 
     def log(self, record):
         with failing_write(self.log_path, RESUME), open(self.log_path, "a") as f:
@@ -121,4 +111,3 @@ class RunDir:
             with contextlib.suppress(OSError):  # leaves no folder holding only its lock
                 os.remove(os.path.join(self.out_dir, "lock"))
                 os.rmdir(self.out_dir)
-

@@ -1,7 +1,5 @@
 """Muon for the matrices inside the blocks: torch.optim.Muon's step, with its Newton-Schulz orthogonalization in
-float32 on a CPU. torch fixes it to bfloat16, which a CPU without bfloat16 instructions (no AVX512-BF16 or AMX)
-emulates up to 18x slower at config/small.py's shapes; with them, bfloat16 took 0.86x float32's time there and 2.7-3.8x
-at smaller ones (bench/RESULTS.md). So a CPU orthogonalizes in float32, an accelerator in bfloat16, nothing timed."""
+float32 on a CPU (torch's fixed bfloat16 ran up to 18x slower without AVX512-BF16: bench/RESULTS.md), else bfloat16."""
 
 import torch
 from torch.optim._muon import _adjust_lr  # the learning rate per matrix shape, as torch's Muon scales it
@@ -28,9 +26,8 @@ def orthogonalize_dtype(device):
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon, orthogonalizing in orthogonalize_dtype's dtype. The dtype is each param group's "ns_dtype"
-    and is saved with the optimizer's state: a resumed run steps as the run it continues (on a GPU, a CPU's run in
-    float32), and a checkpoint from before the choice existed resumes in torch's bfloat16."""
+    """torch.optim.Muon, orthogonalizing in each param group's "ns_dtype", saved with the optimizer's state: a resumed
+    run steps as the run it continues, and a checkpoint from before the choice existed in torch's bfloat16."""
 
     def __init__(self, params, **settings):
         super().__init__(params, **settings)
@@ -39,7 +36,7 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """torch.optim.Muon's step (its _single_tensor_muon), with each update orthogonalized by self.orthogonalized."""
+        """torch.optim.Muon's step (its _single_tensor_muon), each update orthogonalized by self.orthogonalized."""
         for group in self.param_groups:
             params, grads, buffers = [], [], []
             self._init_group(group, params, grads, buffers)  # Muon's own: state["momentum_buffer"] as it keeps it

@@ -327,6 +327,12 @@ def split_over_processes(settings, world_size):
     return dict(settings, batch_size=share, total_batch_size=sequences * block, gradient_accumulation_steps=1), note
 
 
+def global_batch(settings, world_size):
+    """(settings, micro-steps per process, a note or None): the global batch split over the processes."""
+    settings, note = split_over_processes(settings, world_size)
+    return settings, micro_steps_per_process(settings, world_size), note
+
+
 def micro_steps_per_process(settings, world_size):
     """Forward/backward passes per process and optimizer step. The global batch is total_batch_size tokens when
     that is set (nanochat's way: the same run on any process count that divides it), else batch_size x block_size
