@@ -1,6 +1,5 @@
-"""The CPU threads a command takes on a machine shared with other work: torch's thread per core spins against other
-processes' threads, far slower than taking the cores they leave free (bench/RESULTS.md: 2.5x-39x). A SharedCpu's first
-look runs while the model loads; each check() then follows the load (a count the user chose is kept), saying so once."""
+"""The CPU threads a command takes on a machine shared with other work: the cores others leave free (2.5x-39x faster
+than torch's thread per core spinning against them), first looked at as the model loads, then followed; said once."""
 
 import contextlib
 import os
@@ -21,10 +20,9 @@ def cpu_counters():
 
 class SharedCpu:
     def __init__(self, device="cpu", threads=None):  # threads: --threads (0: the cores left free; None: none)
-        if threads:  # the user's count, kept
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads or torch.get_num_threads())  # the user's count, kept (else a no-op)
         self.most, self.cores, self.said = torch.get_num_threads(), os.cpu_count(), False
-        self.choose = "set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N"
+        self.remedy = "stop them or " + ("set OMP_NUM_THREADS=N" if threads is None else "pass --threads=N")
         fixed = threads or "OMP_NUM_THREADS" in os.environ or self.most <= 1 or torch.device(device).type != "cpu"
         self.last, self.span, self.look_ends = None if fixed else cpu_counters(), LOOK_SECONDS, time.monotonic()
 
@@ -41,8 +39,7 @@ class SharedCpu:
         self.last, self.span, self.look_ends = now, CHECK_SECONDS, float("-inf")
         threads = self.most if busy < BUSY_CORES else max(1, min(self.most, round(self.cores - busy)))
         torch.set_num_threads(threads)  # a no-op where the count is unchanged
-        if threads == self.most or self.said:
-            return None
-        self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
-        return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so "
-                f"this run takes {threads} thread{'s' * (threads > 1)} (not {self.most}); stop them or {self.choose}")
+        if threads < self.most and not self.said:
+            self.said, crowded = True, "busier than its cores" if busy > self.cores - BUSY_CORES else "busy"
+            return (f"this machine is {crowded}: other processes keep {busy:.1f} of its {self.cores} cores busy, so "
+                    f"this run takes {threads} thread{'s' * (threads > 1)} (not {self.most}); {self.remedy}")

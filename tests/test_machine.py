@@ -117,8 +117,8 @@ def test_the_first_look_overlaps_what_the_process_does_meanwhile(two_threads, mo
 def test_a_command_shares_the_cpu_only_where_it_computes_on_it(two_threads):
     assert SharedCpu("cuda:0").last is None and SharedCpu("mps").last is None  # no look: check() says nothing
     assert SharedCpu("cpu").last is not None
-    assert SharedCpu("cpu").choose == "set OMP_NUM_THREADS=N"  # a command without --threads
-    assert SharedCpu("cpu", threads=0).choose == "pass --threads=N"
+    assert SharedCpu("cpu").remedy == "stop them or set OMP_NUM_THREADS=N"  # a command without --threads
+    assert SharedCpu("cpu", threads=0).remedy == "stop them or pass --threads=N"
     assert SharedCpu("cuda", threads=2).last is None and torch.get_num_threads() == 2  # the threads it asks for
 
 
