@@ -277,50 +277,61 @@ def test_eval_tasks_during_training_are_logged_and_match_the_checkpoint(bpe_run,
 TORCHRUN_TEST = "test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs"
 
 
+# The world's processes: train.py's main for each mode in turn, as `torchrun ... train.py` runs it, each run's process
+# group meeting in a store of its own (tests/test_parallel.py's world does the same)
+TORCHRUN_WORLD = """import os, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import train
+from test_parallel import a_store_of_its_own
+rank, agent_port = int(os.environ["RANK"]), int(os.environ["MASTER_PORT"])
+for mode in ("ddp", "fsdp"):
+    a_store_of_its_own(rank, mode, agent_port)
+    assert train.main(sys.argv[1:] + [f"--out_dir={{os.path.join({folder!r}, mode)}}", f"--fsdp={{mode == 'fsdp'}}"]) is None
+"""
+
+
 @pytest.fixture(scope="module", autouse=True)
-def torchrun_worlds(request, tmp_path_factory):
-    """train.py with eval_tasks under torchrun on two processes, under DDP and under FSDP, each for 2 iterations
-    evaluated at 0 and 2: {mode: (process, its out_dir)}. Started at the module's start, where TORCHRUN_TEST is to run
-    (None elsewhere), and left to run in the background until that test waits for them: their six processes' start
-    (seconds each) overlaps the module's other tests, which run on one thread. At a lower priority (nice 10), they take
-    the CPU those tests leave free rather than slow them. On the CPU (gloo) whatever TEST_DEVICE: two processes would
-    need two GPUs."""
+def torchrun_world(request, tmp_path_factory):
+    """train.py with eval_tasks under torchrun on two processes, under DDP and then under FSDP (in the same two
+    processes: a torchrun each cost three more Python processes importing torch and lm-eval), each for 2 iterations
+    evaluated at 0 and 2: (process, folder holding each mode's out_dir). Started at the module's start, where
+    TORCHRUN_TEST is to run (None elsewhere), and left to run in the background until that test waits for it: its
+    processes' start (seconds each) overlaps the module's other tests, which run on one thread. At a lower priority
+    (nice 10), they take the CPU those tests leave free rather than slow them. On the CPU (gloo) whatever TEST_DEVICE:
+    two processes would need two GPUs."""
     if importlib.util.find_spec("lm_eval") is None or not any(
             item.module is request.module and item.originalname == TORCHRUN_TEST for item in request.session.items):
         yield None
         return
     work, folder = request.getfixturevalue("bpe_data"), tmp_path_factory.mktemp("torchrun")
     write_local_tasks(folder)
+    (folder / "world.py").write_text(TORCHRUN_WORLD.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
+                                                           folder=str(folder)))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.join(ROOT, "train.py"), "--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1",
+               str(folder / "world.py"), "--dataset=shakespeare", "--n_layer=1", "--n_head=2", "--n_kv_head=1",
                "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2", "--max_iters=2", "--dropout=0.0",
                "--eval_interval=2", "--gradient_accumulation_steps=2", "--device=cpu",
                "--eval_tasks=tiny_choice,tiny_text", f"--eval_tasks_include_path={folder}"]
-    worlds = {}
-    for mode in ("ddp", "fsdp"):
-        with open(folder / f"{mode}.log", "w") as log:  # a file, not a pipe no one reads until the test
-            worlds[mode] = (subprocess.Popen(command + [f"--out_dir={folder / mode}", f"--fsdp={mode == 'fsdp'}"],
-                                             cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                             preexec_fn=lambda: os.nice(10), env=dict(os.environ, OMP_NUM_THREADS="1")),
-                            folder / mode)
-    yield worlds
-    for proc, _ in worlds.values():  # the test failed before it waited, or did not run: torchrun and its workers
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with open(folder / "world.log", "w") as log:  # a file, not a pipe no one reads until the test
+        proc = subprocess.Popen(command, cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: os.nice(10), env=dict(os.environ, OMP_NUM_THREADS="1"))
+    yield proc, folder
+    if proc.poll() is None:  # the test failed before it waited, or did not run: torchrun and its workers
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
-def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(torchrun_worlds):
+def test_eval_tasks_under_torchrun_run_on_every_process_and_rank_0_logs(torchrun_world):
     """Under DDP and under FSDP (where the engine's scorers need the root's sharded parameters gathered): both log
     every evaluation, with the same figures (the same model trained the same way). Two evaluations (iterations 0 and
     2) are enough: one has training after it, the other follows training."""
     pytest.importorskip("lm_eval")
+    proc, folder = torchrun_world
+    proc.wait(timeout=300)
+    assert proc.returncode == 0, (folder / "world.log").read_text()
     evals = {}
-    for mode, (proc, out_dir) in torchrun_worlds.items():
-        proc.wait(timeout=300)
-        output = (out_dir.parent / f"{mode}.log").read_text()
-        assert proc.returncode == 0, output
-        evals[mode] = [json.loads(line) for line in open(out_dir / "metrics.jsonl") if "val_loss" in line]
+    for mode in ("ddp", "fsdp"):
+        evals[mode] = [json.loads(line) for line in open(folder / mode / "metrics.jsonl") if "val_loss" in line]
         assert [r["iter"] for r in evals[mode]] == [0, 2]
         assert all("tiny_text/bits_per_byte" in r for r in evals[mode])
     for ddp, fsdp in zip(evals["ddp"], evals["fsdp"]):

@@ -1,9 +1,10 @@
 """--help on every command that takes settings: each setting with its default and the comment beside it in the
 script's DEFAULTS, read from the source, exit status 0, and nothing else done."""
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
+import types
 
 import pytest
 
@@ -12,7 +13,6 @@ import eval as eval_py
 import export
 import sample
 import train
-from conftest import finished
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = {"train": train, "sample": sample, "eval": eval_py, "export": export, "attention": attention}
@@ -20,22 +20,22 @@ COMMANDS = {"train": train, "sample": sample, "eval": eval_py, "export": export,
 
 @pytest.fixture(scope="module")
 def helps(tmp_path_factory):
-    """Each command run with --help (and sample.py with -h) as a user runs it, each from an empty folder of its own (so
-    that anything it wrote would show): {(command, flag): (CompletedProcess, folder)}. The processes start together,
-    since each spends a second or more importing torch, and the tests only read what they printed."""
-    runs = {}
-    for command, flag in [(command, "--help") for command in COMMANDS] + [("sample", "-h")]:
-        folder = tmp_path_factory.mktemp(command)
-        runs[command, flag] = folder, subprocess.Popen([sys.executable, os.path.join(ROOT, f"{command}.py"), flag],
-                                                       cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                       text=True)
+    """Each command's main() with --help (and sample.py's with -h), in this process: the test is about what it prints
+    and does, not about its process. Each runs in an empty folder of its own (so that anything it wrote would show):
+    {(command, flag): (result, folder)}, result's returncode the SystemExit's code."""
+    runs, cwd = {}, os.getcwd()
     try:
-        return {key: (finished(proc), folder) for key, (folder, proc) in runs.items()}
+        for command, flag in [(command, "--help") for command in COMMANDS] + [("sample", "-h")]:
+            folder = tmp_path_factory.mktemp(command)
+            os.chdir(folder)
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+                COMMANDS[command].main([flag])
+            runs[command, flag] = types.SimpleNamespace(returncode=e.value.code, stdout=out.getvalue(),
+                                                        stderr=err.getvalue()), folder
     finally:
-        for _, proc in runs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        os.chdir(cwd)
+    return runs
 
 
 @pytest.mark.parametrize("command", COMMANDS)
