@@ -703,13 +703,15 @@ def torchrun_errors(workdir, out_dir, processes, device):
     return re.findall(r"error: .*?(?=error: |$)", result.stderr, flags=re.M), result.stderr
 
 
-def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, tmp_path):  # noqa: F811
-    """README's torchrun --nproc_per_node=8 on a machine with fewer GPUs (2, faked): each process says so in one line
-    before the process group starts (no "invalid device ordinal" traceback, no rank left waiting for the others)."""
+def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, tmp_path, monkeypatch):  # noqa: F811
+    """README's torchrun --nproc_per_node=8 on a machine with fewer GPUs (1, faked: the fewest processes that show it):
+    each process says so in one line before the process group starts (no "invalid device ordinal" traceback, no rank
+    left waiting for the others)."""
     fake_cuda()
-    errors, output = torchrun_errors(workdir, tmp_path, 3, "cuda")
-    assert errors == ["error: torchrun started 3 processes on this node, but it has 2 CUDA GPU(s), one per process; "
-                      "pass --nproc_per_node=2"] * 3, output
+    monkeypatch.setenv("FAKE_CUDA_GPUS", "1")  # torchrun's processes see one card
+    errors, output = torchrun_errors(workdir, tmp_path, 2, "cuda")
+    assert errors == ["error: torchrun started 2 processes on this node, but it has 1 CUDA GPU(s), one per process; "
+                      "pass --nproc_per_node=1"] * 2, output
     assert "invalid device ordinal" not in output and "NCCL" not in output
 
 

@@ -26,7 +26,7 @@ import collections
 import os
 import re
 
-GPUS = 2
+GPUS = int(os.environ.get("FAKE_CUDA_GPUS", "2"))  # how many cards (a test's subprocesses may be shown fewer)
 # The name of a card asked for by compute capability alone (install's card=(7, 5), FAKE_CUDA=7.5): it answers as
 # the table's card of that capability, under this name (tests/test_gpu_check.py expects it in gpu_check's lines)
 NAME = "Fake GPU"
