@@ -46,12 +46,12 @@ def write_json(path, obj, **dump_args):
 def lock_folder(folder, holder):
     """folder (made if missing) under an exclusive flock on folder/lock, which holds this process's pid, until the
     returned file is closed or the process ends: the OS releases a killed holder's lock, so no stale lock blocks."""
-    import fcntl  # POSIX: Linux and macOS
-
     try:
         os.makedirs(folder, exist_ok=True)
         f = open(os.path.join(folder, "lock"), "a+")  # "a+": opening does not erase the holder's pid
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with contextlib.suppress(ImportError):  # POSIX only: Windows has no fcntl, and there nothing is locked
+            import fcntl
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         from gpt.hints import folder_in_use  # imported only on the error, as every hint
         raise UserError(folder_in_use(folder, holder)) from None
