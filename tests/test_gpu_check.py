@@ -33,11 +33,12 @@ RESUMED = {"resume": "train", "resume_ddp": "ddp", "resume_fsdp": "fsdp"}  # and
 ITERS = 12  # --tiny's
 # Rows the check on the CPU below leaves out (--skip): each runs what another row of it runs (resume's resume(),
 # int8's quantized_decodes, the draft row's speculative decoding and its output's acceptance line) with other
-# settings, 5 commands and ~55 s of the two cores. What those settings build is checked with the commands faked
+# settings, 7 commands and ~75 s of the two cores. What those settings build is checked with the commands faked
 # (test_the_left_out_rows_build_their_rows_commands); what the runs prove, where it lives: DDP's and FSDP's exact
 # resumes in tests/test_parallel.py, w8a8 compiled decoding eager's text in tests/test_quantize.py, compiled prompt
-# lookup eager's in tests/test_sample.py.
-LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8", "lookup"]
+# lookup eager's, and float32 compiled (its kernels measured compiled, as graphs' --compile=True runs on a CPU)
+# decoding eager's, in tests/test_sample.py.
+LEFT_OUT = ["resume_ddp", "resume_fsdp", "w8a8", "graphs", "lookup"]
 # The check on the CPU (--device=cpu: every command is seen to carry it), in groups of rows, each group a run of its
 # own (--skip leaves out the other groups' rows; each runs data, which the training rows need), so that no test waits
 # for the whole check: in one run it took ~90 s of the two cores, its compiled decodes ~30 and ~23 s of one (inductor's
@@ -50,8 +51,8 @@ GROUPS = {
     "precision": ["fp16", "bf16", "memory"],
     # train's speed over train_eager's; resume reads train's losses, eval its checkpoint
     "training": ["train_eager", "train", "resume", "eval"],
-    # the compiled decodes read train's checkpoint (draft graphs' greedy texts too)
-    "decoding": ["train", "int8", "graphs", "draft"],
+    # the decodes read train's checkpoint; the draft row decodes the plain greedy text it is compared with
+    "decoding": ["train", "int8", "draft"],
 }
 # The check with faked CUDA (tests/fake_cuda), with each --device spelling: (spelling, the card's compute capability)
 FAKE = {"one_card": ("cuda:1", (7, 5)), "every_card": ("auto", (8, 0))}  # plain cuda: as auto
@@ -61,7 +62,7 @@ FAKE = {"one_card": ("cuda:1", (7, 5)), "every_card": ("auto", (8, 0))}  # plain
 SKIPPED = {"cuda:1": ["train", "ddp", "memory"], "auto": ["train_eager", "fsdp", "fp16"]}
 # The runs, in two lanes of one run after another (Runs). PACED: in the order the tests read them, rows ending a few
 # seconds apart, each a test's wait; first the torchrun rows, alone (their two processes keep both cores busy: beside
-# another run they took half as long again). BACKGROUND: the decoding group, ~75 s of one core, beside the paced runs
+# another run they took half as long again). BACKGROUND: the decoding group, ~55 s of one core, beside the paced runs
 # from BESIDE on: it has ended when its tests come, after the tests that run no check. It runs one row at a time
 # (--jobs=1, as on a GPU), one core's worth, and leaves the other to the paced runs (nice would not make it give way:
 # gpu_check runs each command in a session of its own, and where the kernel shares the CPU between sessions first, as
@@ -359,8 +360,8 @@ def test_on_a_gpu_failing_rows_stop_none(fake_cuda, runs, run):
 def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
     """The LEFT_OUT rows with every command faked (`must`: a train.py run logs UNBROKEN's losses up to its
     --max_iters, a sample.py run prints a speed line, and with --draft an acceptance line): resume_ddp and resume_fsdp
-    each train the ddp and fsdp rows' command in two, w8a8's commands are int8's with the other mode, and lookup
-    decodes the graphs row's compiled command with --draft=lookup."""
+    each train the ddp and fsdp rows' command in two, w8a8's commands are int8's with the other mode, graphs' are
+    int8's without it, and lookup decodes the graphs row's compiled command with --draft=lookup."""
     gpu_check = load_script()
 
     def must(ctx, command, env=None, cwd=None, text_path=None):
@@ -395,6 +396,9 @@ def test_the_left_out_rows_build_their_rows_commands(monkeypatch, tmp_path):
         assert rows[name]["figures"]["largest_difference"] == 0
     assert [c.replace("--quantize=int8", "--quantize=w8a8") for c in rows["int8"]["commands"]] == rows["w8a8"]["commands"]
     assert rows["w8a8"]["commands"][1].endswith("--quantize=w8a8 --compile=True")
+    assert [c.replace(" --quantize=int8", "") for c in rows["int8"]["commands"]] == rows["graphs"]["commands"]
+    assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
+    assert rows["graphs"]["figures"]["compiled_over_eager"] == 1.0  # the faked speed lines' 70.0 / 70.0
     assert rows["lookup"]["commands"] == [rows["graphs"]["commands"][1].replace("--compile=True",
                                                                               "--draft=lookup --compile=True")]
     assert (rows["lookup"]["figures"]["accepted"], rows["lookup"]["figures"]["proposed"]) == (20, 40)
@@ -764,10 +768,9 @@ def test_the_figures_are_sane(checks):
     assert ITERS // 2 < rows["fp16"]["optimizer_steps"] <= ITERS and rows["fp16"]["scaler_scale"] > 0
     assert rows["train"]["speedup_over_eager"] > 0
     assert rows["memory"] == {"batch 8, compile=False": None, "batch 8, compile=True": None}  # measured on CUDA only
-    for row in ("int8", "graphs"):
-        for decode in (rows[row]["eager"], rows[row]["compiled"]):
-            assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
-        assert rows[row]["compiled_over_eager"] > 0
+    for decode in (rows["int8"]["eager"], rows["int8"]["compiled"]):
+        assert decode["tokens"] == 64 and decode["tokens_per_sec"] > 0 and decode["tokens_per_sec_after_8"] > 0
+    assert rows["int8"]["compiled_over_eager"] > 0
     # resumed halfway, each run's losses after it are the unbroken run's (read from that row's run: the train row of
     # the resume row's own group), on the CPU to the last bit (measured: equal)
     for name, unbroken in RESUMED.items():
@@ -793,8 +796,8 @@ def test_each_row_ran_the_command_a_user_would(checks):
     rows = merged(checks)
     commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
     # training 6, resume 2 (LEFT_OUT: not its ddp and fsdp runs), memory 2, eval 1 (+ 1 with lm-eval), int8 2 (not
-    # w8a8's 2), graphs 2, draft 2 (training it, and decoding: plain greedy's text is graphs'; not lookup's 1)
-    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 2 + 2, commands
+    # w8a8's 2, nor graphs' 2), draft 3 (training it, decoding, and plain greedy's text; not lookup's 1)
+    assert len(commands) == 6 + 2 + 2 + 1 + LM_EVAL + 2 + 3, commands
     every = [c for check in checks.values() for row in check.figures["rows"].values() for c in row["commands"]
              if any(script in c for script in SCRIPTS)]  # train's too where another group runs it again
     assert all("--device=cpu" in c for c in every), every
@@ -808,10 +811,10 @@ def test_each_row_ran_the_command_a_user_would(checks):
         assert "--tasks=gpu_check_choice,gpu_check_text --include_path=" in rows["eval"]["commands"][2]
     assert "--quantize=int8 --compile=False" in rows["int8"]["commands"][0]
     assert "--quantize=int8 --compile=True" in rows["int8"]["commands"][1]
-    assert "--compile=False" in rows["graphs"]["commands"][0] and "--compile=True" in rows["graphs"]["commands"][1]
     assert "train.py" in rows["draft"]["commands"][0]
     assert rows["draft"]["commands"][0].endswith("--n_layer=1 --compile=False")
     assert "--draft=" in rows["draft"]["commands"][1] and rows["draft"]["commands"][1].endswith("--compile=False")
+    assert "--draft=" not in rows["draft"]["commands"][2] and rows["draft"]["commands"][2].endswith("--compile=False")
     # side by side, each row's commands are in each run's log together, under its own header
     for group, check in checks.items():
         with open(check.figures["log"]) as f:
