@@ -34,7 +34,8 @@ def failing_write(path, way_on=""):
         yield
     except Exception as e:
         reason = getattr(e if isinstance(e, OSError) else e.__context__, "strerror", None)
-        raise UserError(f"could not write {path} ({reason or str(e).splitlines()[0]}){way_on}") from None
+        reason = reason or (str(e) or type(e).__name__).splitlines()[0]
+        raise UserError(f"could not write {path} ({reason}){way_on}") from None
 
 
 def write_json(path, obj, **dump_args):
@@ -53,6 +54,7 @@ def lock_folder(folder, holder):
             import fcntl
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        f.close()
         from gpt.hints import folder_in_use  # imported only on the error, as every hint
         raise UserError(folder_in_use(folder, holder)) from None
     except OSError as e:
