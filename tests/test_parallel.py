@@ -124,6 +124,7 @@ def world_jobs(root, workdir):
         "fsdp_ac_loads_an_optimizer_state": fsdp_ac_loads_an_optimizer_state,
         "bytes_ddp": lambda rank: bytes_per_process("ddp"),
         "bytes_fsdp": lambda rank: bytes_per_process("fsdp"),
+        "mps": lambda rank: on_mps_under_torchrun(workdir, out("mps")),
         "accumulation": lambda rank: accumulation_that_does_not_divide(workdir, out("accumulation")),
     }
 
@@ -715,11 +716,23 @@ def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, 
     assert "invalid device ordinal" not in output and "NCCL" not in output
 
 
-def test_torchrun_on_mps_is_one_line_on_every_rank(workdir, tmp_path):  # noqa: F811
-    """gloo carries CPU and CUDA tensors only (torch's backend_capability): DDP and FSDP cannot run on a Mac's GPU."""
-    errors, output = torchrun_errors(workdir, tmp_path, 2, "mps")
-    assert len(errors) == 2 and all("gloo, which cannot carry MPS tensors" in e and "--device=cpu" in e
-                                    for e in errors), output
+def on_mps_under_torchrun(workdir, out_dir):
+    """The world's job for the test below: `torchrun ... train.py --device=mps`, as run_script runs it in this
+    process: its exit status and stderr."""
+    args = [a for a in TINY if not a.startswith("--device")] + ["--device=mps", f"--out_dir={out_dir}"]
+    result = run_script(TRAIN, args, workdir)
+    return f"{result.returncode}\n{result.stderr}"
+
+
+def test_torchrun_on_mps_is_one_line_on_every_rank(world):
+    """gloo carries CPU and CUDA tensors only (torch's backend_capability): DDP and FSDP cannot run on a Mac's GPU.
+    Each process says so in one line before its process group starts (train.py as torchrun starts it, in the world's
+    processes: run_script; a real torchrun whose processes each stop with their line is the test above)."""
+    for result in world.result("mps"):
+        status, stderr = result.split("\n", 1)
+        assert status == "1" and stderr.count("\n") == 1, stderr
+        assert stderr.startswith("error: ") and "gloo, which cannot carry MPS tensors" in stderr, stderr
+        assert "--device=cpu" in stderr, stderr
 
 
 def accumulation_that_does_not_divide(workdir, out_dir):
