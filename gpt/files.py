@@ -21,9 +21,10 @@ def atomic_open(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:  # the temp is left only by a failed write (or a SIGKILL's, which the next write replaces)
+    except BaseException:  # a SIGKILL's temp is left: the next write replaces it
         with contextlib.suppress(OSError):
             os.remove(tmp)
+        raise
 
 
 @contextlib.contextmanager
@@ -85,10 +86,11 @@ class RunDir:
             except ImportError:
                 raise UserError("wandb_log=True needs wandb, which is not installed: pip install wandb") from None
             self.wandb = wandb
-        for path in () if resumed else (self.ckpt_path, self.log_path):  # the earlier run's files go
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-                print(f"overwrite: removed the earlier run's {path}")
+        if not resumed:  # the earlier run's files go
+            for path in (self.ckpt_path, self.log_path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                    print(f"overwrite: removed the earlier run's {path}")
         if self.wandb:
             self.wandb.init(project=settings["wandb_project"], name=settings["wandb_run_name"], config=settings,
                             dir=self.out_dir)

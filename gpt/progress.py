@@ -31,8 +31,9 @@ class Log:
                    if key not in ("iter", "time")]
         self.say(f"iter {record['iter']}: {', '.join(figures)}")
         if sys.stdout.isatty():
-            from tqdm import tqdm  # started at the first record, so that its ETA counts only this run's steps
-            self.bar = self.bar or tqdm(total=self.max_iters, initial=record["iter"], unit="it", dynamic_ncols=True)
+            if not self.bar:  # started at the first record, so that its ETA counts only this run's steps
+                from tqdm import tqdm
+                self.bar = tqdm(total=self.max_iters, initial=record["iter"], unit="it", dynamic_ncols=True)
             self.bar.update(record["iter"] - self.bar.n)
 
     def close(self):
