@@ -1,7 +1,5 @@
-"""
-Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus). Used by model.py's generate
-and by gpt/engine.py for sample.py; apart from the model, since it is about the logits, not how they are computed.
-"""
+"""Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus), and drawing it. For model.py's
+generate, gpt/engine.py and gpt/speculative.py; apart from the model: it is about the logits, not how they are made."""
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +43,14 @@ def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
 def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token id per row of logits (B, V), as (B, 1), drawn from sampling_probs (or greedy)."""
     check_sampling(temperature, top_k, top_p)
-    if temperature == 0:
-        return greedy(logits)
-    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), num_samples=1, generator=generator)
+    return greedy(logits) if temperature == 0 else draw(sampling_probs(logits, temperature, top_k, top_p), generator)
+
+
+def draw(probs, generator=None):
+    """One token id per row of probs (..., V), as (..., 1): where a uniform draw falls in the row's cumulative sum.
+    torch.multinomial draws a number per token (~1.4 ms a GPT-2 row on a CPU), and on CUDA waits to check its input
+    (pytorch/pytorch#108968). In float64, a rare token keeps its share of a sum over 50k (MPS has no float64)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float32 if probs.device.type == "mps" else torch.float64)  # (..., V)
+    cdf = cdf / cdf[..., -1:]  # ends at exactly 1.0, above every draw from [0, 1)
+    u = torch.rand(*probs.shape[:-1], 1, dtype=cdf.dtype, device=probs.device, generator=generator)
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)  # never a token of probability 0

@@ -19,7 +19,7 @@ import torch
 from gpt import UserError
 from gpt.checkpoint import checkpoint_path, load_model
 from gpt.engine import cpu_kernels, device_of, last_logits, next_tokens, prefill, slide
-from gpt.sampling import sampling_probs
+from gpt.sampling import draw, sampling_probs
 from gpt.static_step import chunk_logits, compile_decode_step, compiled_cache_length, mark_static
 
 
@@ -66,7 +66,7 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
     for _ in range(k):
         logits = last_logits(draft, torch.tensor([feed], device=device), draft_cache)
         q = next_token_probs(logits, settings, vocab_size)[0]
-        feed = [int(torch.multinomial(q, 1, generator=generator))]
+        feed = [int(draw(q, generator))]
         proposed.append(feed[0])
         draft_probs.append(q)
 
@@ -78,11 +78,11 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
         accept_prob = torch.clamp(p[i, token] / q[token], max=1.0)
         if torch.rand((), device=device, generator=generator) >= accept_prob:
             residual = torch.clamp(p[i] - q, min=0)
-            new_token = int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
+            new_token = int(draw(residual, generator))  # draw normalizes
             break
         accepted.append(token)
     else:
-        new_token = int(torch.multinomial(p[k], 1, generator=generator))
+        new_token = int(draw(p[k], generator))
     # Roll both caches back to the accepted tokens: the target keeps tokens[-1] and the accepted ones.
     target_cache.truncate(start + 1 + len(accepted))
     draft_cache.truncate(min(draft_cache.pos, target_cache.pos))
@@ -114,7 +114,7 @@ def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
             k = min(settings["draft_k"], settings["max_new_tokens"] - n_new - 1, block_size - len(tokens))
             if k < 1:  # no room to propose: one plain step of the target
                 logits = last_logits(target, torch.tensor([tokens[-1:]], device=device), target_cache)
-                new_tokens = [int(torch.multinomial(next_token_probs(logits, settings, vocab_size)[0], 1, generator=generator))]
+                new_tokens = [int(draw(next_token_probs(logits, settings, vocab_size)[0], generator))]
             else:
                 new_tokens, accepted = speculative_step(target, draft, tokens, target_cache, draft_cache, k,
                                                         settings, vocab_size, generator)

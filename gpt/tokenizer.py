@@ -30,7 +30,6 @@ class Tokenizer:
             self.index = {c: i for i, c in enumerate(self.chars)}
         else:  # byte-level BPE through tiktoken: gpt/bpe.py, imported only for such a vocabulary
             from gpt.bpe import meta_encoding
-
             self.enc = meta_encoding(meta)
 
     def encode(self, text, special_tokens=False):

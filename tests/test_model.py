@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpt.sampling import sample_next_token, sampling_probs
+from gpt.sampling import draw, sample_next_token, sampling_probs
 from model import GPT, GPTConfig, KVCache, Positions, attention, rope
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -373,6 +373,22 @@ def test_sampling_probs_top_k_and_top_p(device):
     squared = tensor([[0.05, 0.5, 0.15, 0.3]]) ** 2
     torch.testing.assert_close(sampling_probs(logits, temperature=0.5), squared / squared.sum())
     assert sample_next_token(logits, temperature=0.0).item() == 1
+
+
+def test_draw_follows_the_probabilities_and_never_a_token_of_probability_zero():
+    """draw (sample_next_token's, speculative decoding's): 200,000 rows drawn at once, each token as often as its
+    probability says (within 5 standard deviations), none of probability 0 (first, between, last), whatever the rows
+    sum to; the generator decides the draws."""
+    probs, n = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0], dtype=torch.float64), 200_000
+    rows = 3 * probs.float().expand(n, -1)  # unnormalized
+    picks = draw(rows, torch.Generator().manual_seed(0))
+    assert picks.shape == (n, 1) and picks.dtype == torch.long
+    frequencies = torch.bincount(picks[:, 0], minlength=len(probs)).double() / n
+    assert (frequencies[probs == 0] == 0).all(), frequencies
+    assert ((frequencies - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt()).all(), frequencies
+    assert torch.equal(draw(rows, torch.Generator().manual_seed(0)), picks)
+    assert not torch.equal(draw(rows, torch.Generator().manual_seed(1)), picks)
+    assert draw(torch.tensor([0.0, 0.0, 2.0])).tolist() == [2]  # one row (..., V) -> (..., 1)
 
 
 # ----------------------------------------------------------------------------------------------------
