@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU owner waits for, at the GPT-2 124M shape on one GPU, in ~7 minutes (bench/RESULTS.md has its runs):
 #   train.py ms/iter, tokens/s, MFU at batch 16 and 64 (compiled), and at 16 with the chunked loss (loss_chunk);
-#   sample.py's time to its first token and tokens/s eager, by default (a CUDA graph of the eager step), and with
+#   sample.py's time to its first token and tokens/s eager, by default (a CUDA graph of the eager step; greedy, and
+#   sampled as a user runs it, without a host sync: gpt/sampling.py's draw), and with
 #   --compile=True on a cold and a warm inductor cache; where the graphed step's GPU time goes
 #   (bench/gpu_decode_kernels.py); Muon's Newton-Schulz batched or not (bench/bench_muon.py).
 #   Run from the repo root: bash bench/gpu_probe.sh [> log]
@@ -48,6 +49,7 @@ runpy.run_path('sample.py', run_name='__main__')"
 ttft sample-eager-no-cudnn $PY -c "$NO_CUDNN" $A --compile=False --cuda_graph=False --max_new_tokens=100
 ttft sample-default-no-cudnn $PY -c "$NO_CUDNN" $A --max_new_tokens=300
 ttft sample-default $S --max_new_tokens=300
+ttft sample-default-sampled $PY sample.py ${A% --temperature=0} --max_new_tokens=300  # as a user runs it: temperature 0.8
 if [ "${SAMPLE_COMPILE:-1}" = 1 ]; then  # SAMPLE_COMPILE=0 leaves out the two compiled rows (~3 minutes)
   GPT_CACHE_DIR=$W/cache2 ttft sample-compile-cold $S --max_new_tokens=300 --compile=True
   GPT_CACHE_DIR=$W/cache2 ttft sample-compile-warm $S --max_new_tokens=300 --compile=True
