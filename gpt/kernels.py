@@ -466,17 +466,44 @@ def chosen_note():
                       f"({kept})", *slower])
 
 
-def use_compile_cache():
+def use_compile_cache(device_type="cpu"):
     """Point inductor's on-disk caches at cache_dir(), so a second run loads the compiled step, unless the user chose a
-    folder (importing inductor sets TORCHINDUCTOR_CACHE_DIR to its temporary default: no choice)."""
+    folder (importing inductor sets TORCHINDUCTOR_CACHE_DIR to its temporary default: no choice); for a CPU, check the
+    vector ISAs once per machine (check_isas_once)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # no more of inductor than this
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
-        return
     folder = os.path.join(cache_dir(), "inductor")
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        say_once(f"note: cannot keep compiled code in {folder} ({e.strerror}); torch's own temporary folder is used")
+    if not chosen or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
+        try:
+            os.makedirs(folder, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        except OSError as e:
+            say_once(f"note: cannot keep compiled code in {folder} ({e.strerror}); torch's own temporary folder is used")
+    if device_type == "cpu":
+        check_isas_once()
+
+
+ISAS_CHECKED = "the vector ISAs the CPU's flags name: the C++ compiler builds and loads each"  # a kernels.json entry
+
+
+def check_isas_once():
+    """Inductor checks, in every process that compiles for a CPU, that the C++ compiler builds and loads code for each
+    vector ISA the CPU's flags name (AVX2, AVX-512, AMX...): subprocesses, 2-4 s of each run's start. Where a run on this
+    machine (kernels.json's) found every one good, this run skips the checks: config.cpp.vec_isa_ok=True takes the ISAs
+    the flags name, as they would have passed. Not where TORCHINDUCTOR_VEC_ISA_OK decided (set, the tests' conftest.py)."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list  # inductor's, cached for the process
+    path = os.path.join(cache_dir(), "kernels.json")
+    if config.cpp.vec_isa_ok is not None:
         return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    if read_kept(path)[0].get(ISAS_CHECKED) == "all":
+        config.cpp.vec_isa_ok = True
+        return
+    checked = [str(isa) for isa in valid_vec_isa_list()]  # inductor's checks, which it would run anyway
+    config.cpp.vec_isa_ok = True  # then what skipping them gives
+    valid_vec_isa_list.cache_clear()
+    if [str(isa) for isa in valid_vec_isa_list()] == checked:
+        remember(ISAS_CHECKED, "all", None)
+    else:  # one failed (e.g. AMX with a compiler too old for it): checked in every run, as inductor does
+        config.cpp.vec_isa_ok = None
+        valid_vec_isa_list.cache_clear()

@@ -43,7 +43,7 @@ def compile_decode_step(device, step=decode_step):
     every CPU step). Safe: the model does not change during one call, and no other call can reuse this compiled code
     (dynamo keeps it per code object, here a copy of step's; another model of the same shapes would pass the guards)."""
     from gpt.kernels import use_compile_cache
-    use_compile_cache()  # compiled once per machine: a later run loads the kernels
+    use_compile_cache(device.type)  # compiled once per machine: a later run loads the kernels
     step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__)
     options = {**(CUDA_COMPILE_OPTIONS if device.type == "cuda" else {}),
                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # a new dict: compile pops it

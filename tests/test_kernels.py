@@ -242,7 +242,8 @@ def test_the_avx2_kernels_are_built_once_into_the_cache_folder(monkeypatch, cach
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(avx2_module.subprocess, "run", no_compiler)
-    torch.testing.assert_close(kernels.avx2_linear(x, weight, None), F.linear(x, weight.float()))
+    expected = x.double() @ weight.double().T  # float32 rounding of another order than F.linear's, as above
+    assert (kernels.avx2_linear(x, weight, None).double() - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 @avx2
@@ -486,6 +487,51 @@ def test_compiled_code_is_kept_in_the_cache_folder_unless_the_user_chose_one(mon
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
     kernels.use_compile_cache()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/else"
+
+
+class IsaChecks:
+    """inductor's valid_vec_isa_list as check_isas_once calls it (a CPU's flags naming three ISAs): with
+    config.cpp.vec_isa_ok None it runs the checks (counted), which pass for `passing`; forced, it names all three."""
+    NAMED = ["avx512 avx512_vnni amx_tile", "avx512", "avx2"]
+
+    def __init__(self, passing):
+        self.passing, self.runs = passing, 0
+
+    def __call__(self):
+        from torch._inductor import config
+        if config.cpp.vec_isa_ok:
+            return list(self.NAMED)
+        self.runs += 1
+        return list(self.passing)
+
+    def cache_clear(self):
+        pass
+
+
+@pytest.mark.parametrize("passing", [IsaChecks.NAMED, IsaChecks.NAMED[1:]], ids=["all_pass", "amx_fails"])
+def test_inductors_isa_checks_run_until_a_run_on_this_machine_saw_them_all_pass(monkeypatch, cache, passing):
+    """check_isas_once: the first process compiling for this CPU runs inductor's checks; where all passed, kernels.json
+    says so and later processes skip them (vec_isa_ok, the ISAs the flags name: what the checks gave). Where one
+    failed (AMX with an old compiler), every process checks, as inductor alone would; TORCHINDUCTOR_VEC_ISA_OK wins."""
+    from torch._inductor import config, cpu_vec_isa
+    checks, all_pass = IsaChecks(passing), passing == IsaChecks.NAMED
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", checks)
+    with config.patch({"cpp.vec_isa_ok": None}):  # restored after (pytest's monkeypatch deletes a config's entry)
+        for process in range(2):
+            config.cpp.vec_isa_ok = None  # a new process, no TORCHINDUCTOR_VEC_ISA_OK
+            kernels.use_compile_cache()
+            if all_pass:
+                assert checks.runs == 1 and config.cpp.vec_isa_ok is True, process
+            else:
+                assert checks.runs == process + 1 and config.cpp.vec_isa_ok is None, process
+        remembered = kernels.read_kept(str(cache / "kernels.json"))[0].get(kernels.ISAS_CHECKED)
+        assert remembered == ("all" if all_pass else None)
+        config.cpp.vec_isa_ok = False  # TORCHINDUCTOR_VEC_ISA_OK=0: the user's choice
+        kernels.use_compile_cache()
+        assert config.cpp.vec_isa_ok is False and checks.runs == (1 if all_pass else 2)
+        config.cpp.vec_isa_ok = None
+        kernels.use_compile_cache("cuda")  # no CPU code to compile: nothing checked
+        assert checks.runs == (1 if all_pass else 2) and config.cpp.vec_isa_ok is None
 
 
 def recording_kernels(monkeypatch, chosen):
