@@ -365,7 +365,6 @@ class GPT(nn.Module):
                              f"({self.config.block_size}); got {T} and {max_new_tokens}")
         from gpt.engine import last_logits  # one decode step, as sample.py takes it
         from gpt.sampling import sample_next_token  # choosing a token from logits (temperature, top-k, top-p)
-
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
         for _ in range(max_new_tokens):

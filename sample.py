@@ -41,8 +41,7 @@ DEFAULTS = dict(
     stop=None,  # a string, or a list of strings, that ends a sample (it is printed); \n, \t, \\ and \uXXXX decoded
     device="auto",  # "auto" (cuda, then mps, then cpu), or e.g. "cpu", "cuda:1"
     dtype="auto",  # "auto" (bfloat16 on CUDA, else float32), "float32", "bfloat16" or "float16"
-    quantize=None,  # "int8": int8 weights, a scale per output channel (the draft's too); "w8a8": rows too
-                    # (gpt/quantize.py)
+    quantize=None,  # "int8": int8 weights, a scale per output channel (draft too); "w8a8": rows too (gpt/quantize.py)
     no_kv_cache=False,  # recompute the whole context every step (slow; for comparison and tests)
     compile=None,  # torch.compile the decode step (kept on disk); None: where it pays (engine.compiles_by_default)
     cuda_graph=None,  # replay the eager decode step as a CUDA graph, no compiler; None: on CUDA for a float model not
@@ -121,8 +120,7 @@ def main(argv):
     tokenizer = Tokenizer(meta)
     prompt = read_prompt(settings["prompt"])
     prompt_ids = encode_prompt(prompt, tokenizer, model, draft, settings["draft"])
-    busy_note = cpu.check()  # torch's threads: the cores other processes leave free
-    if busy_note:
+    if busy_note := cpu.check():  # torch's threads: the cores other processes leave free
         print(busy_note, file=sys.stderr)  # stdout stays the text
 
     samples = Samples(settings["num_samples"], tokenizer, stops, stream=True)

@@ -30,7 +30,6 @@ def load_checkpoint(path, data=None):
     data: the file's bytes, where another process read them (train.py's rank 0, for ranks on other nodes)."""
     if data is None and not os.path.exists(path):
         from gpt.hints import train_command
-
         raise UserError(f"no checkpoint at {path}; train one first (--init_from=scratch, the default): "
                               f"{train_command(path)}")
     try:
@@ -76,7 +75,6 @@ def load_hf(folder, dropout=None):
     tokenizer's meta dict (None when the folder has no tokenizer.json). dropout: a fine-tuning run's (else the
     folder's config's)."""
     from gpt.hf import read_hf  # Hugging Face's format: only this path needs it
-
     config, state, weights, meta = read_hf(folder)
     model = GPT(config if dropout is None else replace(config, dropout=dropout))
     load_weights(model, state, weights, config_file="config.json")

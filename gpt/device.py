@@ -34,7 +34,6 @@ def resolve_dtype(dtype, device):
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     if dtype == "bfloat16" and cuda and capability < (8, 0):
-        major, minor = capability
-        raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {major}.{minor}) "
-                        "only emulates bfloat16; use --dtype=float16 (or auto)")
+        raise UserError(f"this GPU ({torch.cuda.get_device_name(device)}, compute capability {capability[0]}."
+                        f"{capability[1]}) only emulates bfloat16; use --dtype=float16 (or auto)")
     return getattr(torch, dtype)

@@ -375,6 +375,29 @@ def test_sampling_probs_top_k_and_top_p(device):
     assert sample_next_token(logits, temperature=0.0).item() == 1
 
 
+def test_top_p_keeps_the_smallest_most_likely_set_reaching_it_whatever_its_size(device):
+    """top_p over 6,000 tokens, rows whose nucleus holds a few tokens, about a thousand and most: on a CPU the top 256
+    are taken first and 16x more while they fall short (each row here stops at another size), elsewhere all are sorted
+    at once; the rule written out in float64 below keeps exactly the same tokens, with the same probabilities."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.stack([torch.randn(6000, generator=generator) * scale for scale in (8.0, 2.0, 0.2)])  # (3, V)
+    probs = torch.softmax(scores.double(), dim=-1)
+    expected = torch.zeros_like(probs)
+    for row, p in enumerate(probs):
+        order = p.argsort(descending=True)
+        before = p[order].cumsum(0) - p[order]  # the probability of the tokens more likely than each
+        n_kept = int((before < 0.9).sum())
+        assert before[n_kept] - 0.9 > 1e-6 and 0.9 - before[n_kept - 1] > 1e-6  # no cut within float32's rounding
+        expected[row, order[:n_kept]] = p[order[:n_kept]] / p[order[:n_kept]].sum()
+    kept_sizes = [int((row > 0).sum()) for row in expected]
+    assert kept_sizes[0] < 256 < kept_sizes[1] < 4096 < kept_sizes[2], kept_sizes
+    together = sampling_probs(scores.to(device), temperature=1.0, top_p=0.9).cpu()  # one size for the batch: all
+    apart = torch.cat([sampling_probs(row[None].to(device), temperature=1.0, top_p=0.9).cpu() for row in scores])
+    for actual in (together, apart):
+        assert [int((row > 0).sum()) for row in actual] == kept_sizes
+        torch.testing.assert_close(actual.double(), expected, atol=1e-6, rtol=1e-5)
+
+
 def test_draw_follows_the_probabilities_and_never_a_token_of_probability_zero():
     """draw (sample_next_token's, speculative decoding's): 200,000 rows drawn at once, each token as often as its
     probability says (within 5 standard deviations), none of probability 0 (first, between, last), whatever the rows
