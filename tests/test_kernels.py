@@ -516,6 +516,8 @@ def test_inductors_isa_checks_run_until_a_run_on_this_machine_saw_them_all_pass(
     from torch._inductor import config, cpu_vec_isa
     checks, all_pass = IsaChecks(passing), passing == IsaChecks.NAMED
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", checks)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(cache / "chosen"))  # a folder of the user's: left as it is, and
+    # restored after (the session's compiled code stays where the later tests find it)
     with config.patch({"cpp.vec_isa_ok": None}):  # restored after (pytest's monkeypatch deletes a config's entry)
         for process in range(2):
             config.cpp.vec_isa_ok = None  # a new process, no TORCHINDUCTOR_VEC_ISA_OK
