@@ -16,6 +16,7 @@ trained for 30 iterations (data/shakespeare_char prepared), its "after the first
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,11 @@ COUNT = r"""
 import sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from model import GPT, GPTConfig
-from gpt import engine, static_step
+from gpt import engine
+try:
+    from gpt import static_step
+except ImportError:  # a checkout from before it (issue 60's e396e56): generate's count alone
+    static_step = None
 
 MAY_COPY = ("aten.to", "aten.reshape")  # views by their schema that copy where they must (a dtype, a layout)
 
@@ -67,7 +72,7 @@ def static_steps(n):  # the loop of sample.py's static cache: one decode_step a 
             step_tokens.copy_(logits.argmax(-1, keepdim=True))
             input_pos.add_(1)
 
-print(f"{per_token(generate):.0f} {per_token(static_steps):.0f}")
+print(per_token(generate), per_token(static_steps) if static_step else float("nan"))
 """
 
 
@@ -122,7 +127,12 @@ def main():
                 speeds[repo].append(tokens_per_second(repo, out_dir))
     print('\n`python sample.py --prompt "ROMEO:" --temperature=0`, tokens/s after the first 8, rounds alternating:')
     for repo in repos:
-        print(f"  {repo}: {', '.join(f'{s:.1f}' for s in speeds[repo])} (best {max(speeds[repo]):.1f})")
+        print(f"  {repo}: {', '.join(f'{s:.1f}' for s in speeds[repo])} (best {max(speeds[repo]):.1f}, "
+              f"median {statistics.median(speeds[repo]):.1f})")
+    if len(repos) == 2:  # the figure least moved by the machine's swings: each round's own ratio
+        ratios = sorted(after / before for before, after in zip(*speeds.values()))
+        print(f"  {repos[1]} over {repos[0]}, each round's ratio: {', '.join(f'{r:.2f}' for r in ratios)} (median "
+              f"{statistics.median(ratios):.2f})")
 
 
 if __name__ == "__main__":
