@@ -536,6 +536,17 @@ def test_inductors_isa_checks_run_until_a_run_on_this_machine_saw_them_all_pass(
         assert checks.runs == (1 if all_pass else 2) and config.cpp.vec_isa_ok is None
 
 
+def test_a_torch_without_inductors_isa_list_checks_as_before(monkeypatch, cache):
+    """check_isas_once reads inductor's private ISA list: a torch without it (not requirements.txt's) changes nothing."""
+    import types
+    from torch._inductor import config
+    monkeypatch.setitem(sys.modules, "torch._inductor.cpu_vec_isa", types.ModuleType("torch._inductor.cpu_vec_isa"))
+    with config.patch({"cpp.vec_isa_ok": None}):
+        kernels.check_isas_once()
+        assert config.cpp.vec_isa_ok is None
+    assert not (cache / "kernels.json").exists()
+
+
 def recording_kernels(monkeypatch, chosen):
     """Every kernel records the layer sizes it is called for; fastest_kernel answers `chosen`."""
     calls = []
