@@ -469,7 +469,7 @@ def test_a_cache_folder_that_cannot_be_written_costs_one_line_not_the_run(monkey
     for _ in range(2):  # the second run of it in this process says nothing more
         monkeypatch.setattr(kernels, "choices", {})
         with torch.no_grad(), kernels.decode_linears(model, 1):
-            torch.testing.assert_close(model(x[:, :1])[0], expected[:, :1])
+            torch.testing.assert_close(model(x[:, :1])[0], expected[:, :1], atol=1e-5, rtol=1e-5)  # a kernel of its own
         kernels.use_compile_cache()
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2, lines
@@ -573,7 +573,7 @@ def test_decode_linears_apply_the_choice_inside_the_block_to_decode_sized_inputs
             model(torch.randint(0, 64, (1, 17)))  # 17 rows: a prefill, the layers' own product
             assert len(calls) == 16
         model(one)
-    torch.testing.assert_close(inside, expected[0])
+    torch.testing.assert_close(inside, expected[0], atol=1e-5, rtol=1e-5)  # oneDNN's order of the sums, not MKL's
     assert len(calls) == 16  # outside the block: nn.Linear again
     assert not any("forward" in vars(m) for m in model.modules())
 
