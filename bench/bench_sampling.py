@@ -6,6 +6,7 @@ nucleus holds tens, hundreds and tens of thousands of tokens.
     python bench/bench_sampling.py            # µs a call, best of 5 interleaved rounds, at 1 and 4 rows
 """
 
+import argparse
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ def microseconds(choose, logits, settings, generator):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; µs a call, best of {ROUNDS}")
     print("| logits | rows | setting | nucleus (top_p) | before | now |")
     print("| --- | ---: | --- | ---: | ---: | ---: |")
