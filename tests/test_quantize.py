@@ -491,17 +491,17 @@ def test_int8_on_a_cpu_compiles_by_default_with_inductor_and_decodes_what_eager_
         assert "const int8_t*" in code and "extern_kernels.mm" not in code and "extern_kernels.addmm" not in code
 
 
-def test_w8a8_compiled_with_inductor_decodes_what_eager_decodes_plain_and_with_prompt_lookup(trained, capsys,
-                                                                                          monkeypatch, fresh_dynamo):
+@pytest.mark.parametrize("lookup", [False, True], ids=["plain", "prompt_lookup"])
+def test_w8a8_compiled_with_inductor_decodes_what_eager_decodes(trained, capsys, monkeypatch, fresh_dynamo, lookup):
     """sample.py --quantize=w8a8 compiles by default on a CPU. With real inductor, the one-layer model's greedy text
-    (100 tokens, the window sliding) must be its own --compile=False run's, and --draft=lookup's too, whose checks of
-    draft_k + 1 rows run the multi-row kernel. The kernels are forced to the int8-rows ones (force_w8a8_kernels).
-    Three graphs: ~20 s alone in a fresh process on 2 cores (a cold inductor cache); ~8 s after the w8a8 run-to-run
-    test compiled the plain step."""
+    (100 tokens, the window sliding) must be its own --compile=False run's, plain and with --draft=lookup, whose checks
+    of draft_k + 1 rows run the multi-row kernel. The kernels are forced to the int8-rows ones (force_w8a8_kernels).
+    Plain: one graph, the one the w8a8 run-to-run test compiled (inductor's cache: ~1 s after it); lookup: two more
+    (draft_k + 1 rows and one row), ~5 s alone on 2 quiet cores, a test of its own."""
     force_w8a8_kernels(monkeypatch, trained)
+    draft = ["--draft=lookup"] if lookup else []
     eager = greedy(capsys, trained, "--quantize=w8a8", "--compile=False", checkpoint="one_layer").out
-    assert greedy(capsys, trained, "--quantize=w8a8", checkpoint="one_layer").out == eager
-    assert greedy(capsys, trained, "--quantize=w8a8", "--draft=lookup", checkpoint="one_layer").out == eager
+    assert greedy(capsys, trained, "--quantize=w8a8", *draft, checkpoint="one_layer").out == eager
 
 
 @pytest.mark.parametrize("rows", [1, 4])
