@@ -38,19 +38,19 @@ def lookup_counts(model, tokenizer, prompt, temperature, k, new_tokens):
     steps = []
     settings = dict(num_samples=1, max_new_tokens=new_tokens, temperature=temperature, top_k=None, top_p=None,
                     no_kv_cache=False, compile=False, draft_k=k)
-    chunk_logits = speculative.chunk_logits
+    decode_step = speculative.decode_step
 
     def counted(model, tokens, cache, input_pos):
         steps.append(tokens.size(1))
-        return chunk_logits(model, tokens, cache, input_pos)
+        return decode_step(model, tokens, cache, input_pos)
 
-    speculative.chunk_logits = counted
+    speculative.decode_step = counted
     try:
         samples = engine.Samples(1, tokenizer, [], stream=False)
         accepted, proposed = speculative.decode_lookup(model, tokenizer.encode(prompt), settings, samples,
                                                        torch.Generator().manual_seed(0))
     finally:
-        speculative.chunk_logits = chunk_logits
+        speculative.decode_step = decode_step
     return samples.n_tokens, steps.count(1), len(steps) - steps.count(1), accepted, proposed
 
 
@@ -60,7 +60,7 @@ def step_costs(target, mode, k):
     model = quantize(load_model(target, dtype=dtype)[0], scheme)
     costs = []
     with torch.inference_mode(), kernels.decode_linears(model, (k + 1, 1), compiled=True):  # as decode_lookup
-        step = static_step.compile_decode_step(torch.device("cpu"), static_step.chunk_logits)
+        step = static_step.compile_decode_step(torch.device("cpu"))
         cache, _ = engine.prefill(model, torch.randint(0, 1000, (1, 64)), 256, static=True)
         for n in (1, k + 1):
             tokens, input_pos = torch.randint(0, 1000, (1, n)), torch.arange(cache.pos, cache.pos + n)

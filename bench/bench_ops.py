@@ -69,7 +69,7 @@ def static_steps(n):  # the loop of sample.py's static cache: one decode_step a 
         step_tokens, input_pos = tokens.clone(), torch.tensor([cache.pos])
         for _ in range(n):
             logits = static_step.decode_step(model, step_tokens, cache, input_pos)
-            step_tokens.copy_(logits.argmax(-1, keepdim=True))
+            step_tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
             input_pos.add_(1)
 
 print(per_token(generate), per_token(static_steps) if static_step else float("nan"))

@@ -20,7 +20,7 @@ from gpt import UserError
 from gpt.checkpoint import checkpoint_path, load_model
 from gpt.engine import cpu_kernels, device_of, last_logits, next_tokens, prefill, slide
 from gpt.sampling import draw, sampling_probs
-from gpt.static_step import chunk_logits, compile_decode_step, compiled_cache_length, mark_static
+from gpt.static_step import compile_decode_step, compiled_cache_length, decode_step, mark_static
 
 
 DRAFT_CONFIG = "config/small_draft.py"  # a draft for config/small.py's model: a smaller one on the same dataset
@@ -171,10 +171,10 @@ def lookup_loop(model, prompt_ids, settings, samples, generator):
     compile) and draws the model's token at each position, as plain decoding draws it (one draw each, in order); it
     keeps going while the drawn token is the proposed one. So the text is plain decoding's, greedy or sampled, up
     to float rounding: only the number of forward passes changes. A step with nothing proposed feeds the last token
-    alone (a second compiled shape)."""
+    alone (a second compiled shape, plain decoding's: the same compiled code)."""
     k, block_size, device = settings["draft_k"], model.config.block_size, device_of(model)
     vocab_size = samples.tokenizer.vocab_size
-    step = compile_decode_step(device, chunk_logits) if settings["compile"] else chunk_logits
+    step = compile_decode_step(device) if settings["compile"] else decode_step
     longest = len(prompt_ids) + settings["max_new_tokens"] + k  # a cache that fits the run, as decode_batch sizes it
     max_len = compiled_cache_length(longest, block_size)  # compiled or not: one cache sizing for both
     n_accepted = n_proposed = 0

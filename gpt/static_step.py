@@ -17,14 +17,9 @@ COMPILED_CACHE_STEP = 256  # compiled code is per cache length; attending over <
 
 
 def decode_step(model, tokens, cache, input_pos):
-    """Logits (B, V) after tokens (B, 1) at position input_pos (1,), a tensor, on a static cache. The caller advances
-    cache.pos."""
-    return chunk_logits(model, tokens, cache, input_pos)[:, -1]
-
-
-def chunk_logits(model, tokens, cache, input_pos):
-    """Logits (B, T, V) after each of tokens (B, T) at positions input_pos (T,) on a static cache: one token for
-    decode_step, or prompt lookup's check of T - 1 proposed tokens."""
+    """Logits (B, T, V) after tokens (B, T) at positions input_pos (T,), a tensor, on a static cache: one token for
+    decode_batch, or prompt lookup's check of T - 1 proposed tokens. One function for both, so that a one-token step
+    compiles to the same code for each (inductor's cache). The caller advances cache.pos."""
     with decode_attention(model):
         return model.logits(model.hidden_states(tokens, cache, input_pos))
 
@@ -38,13 +33,14 @@ def decode_attention(model):
     return contextlib.nullcontext()
 
 
-def compile_decode_step(device, step=decode_step):
-    """step compiled for one decoding call, its guards skipping the model's modules (checking them costs a share of
-    every CPU step). Safe: the model does not change during one call, and no other call can reuse this compiled code
-    (dynamo keeps it per code object, here a copy of step's; another model of the same shapes would pass the guards)."""
+def compile_decode_step(device):
+    """decode_step compiled for one decoding call, its guards skipping the model's modules (checking them costs a
+    share of every CPU step). Safe: the model does not change during one call, and no other call can reuse this
+    compiled code (dynamo keeps it per code object, here a copy of decode_step's; another model of the same shapes
+    would pass the guards)."""
     from gpt.kernels import use_compile_cache
     use_compile_cache(device.type)  # compiled once per machine: a later run loads the kernels
-    step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__)
+    step = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
     options = {**(CUDA_COMPILE_OPTIONS if device.type == "cuda" else {}),
                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}  # a new dict: compile pops it
     return torch.compile(step, fullgraph=True, dynamic=False, options=options)
@@ -80,7 +76,7 @@ def static_step(device, batch_size, compiled):
             marked = cache
         step_tokens.copy_(tokens)
         input_pos.fill_(cache.pos)
-        logits = (decode_step if first else step)(model, step_tokens, cache, input_pos)
+        logits = (decode_step if first else step)(model, step_tokens, cache, input_pos)[:, -1]  # (B, V)
         first = False
         cache.pos += 1
         return logits
@@ -109,7 +105,7 @@ def cuda_graph_step(step=decode_step):
         if graph is None:
             return step(model, tokens, cache, input_pos)
         graph.replay()
-        return logits  # (B, V), the graph's own tensor: rewritten by the next replay
+        return logits  # (B, T, V), the graph's own tensor: rewritten by the next replay
 
     return replay
 

@@ -374,7 +374,7 @@ def test_compiled_lookup_equals_eager_and_compiles_two_shapes_once(ckpts, capsys
 
     torch_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: torch_compile(
-        fn, **({**kwargs, "backend": counting_backend} if fn.__name__ == "chunk_logits" else kwargs)))
+        fn, **({**kwargs, "backend": counting_backend} if fn.__name__ == "decode_step" else kwargs)))
     torch._dynamo.reset()
     n = 2 * BLOCK + 9
     eager = greedy(capsys, ckpts, PROMPT, n, "--draft=lookup").out
