@@ -496,8 +496,8 @@ def test_w8a8_compiled_with_inductor_decodes_what_eager_decodes(trained, capsys,
     """sample.py --quantize=w8a8 compiles by default on a CPU. With real inductor, the one-layer model's greedy text
     (100 tokens, the window sliding) must be its own --compile=False run's, plain and with --draft=lookup, whose checks
     of draft_k + 1 rows run the multi-row kernel. The kernels are forced to the int8-rows ones (force_w8a8_kernels).
-    Plain: one graph, the one the w8a8 run-to-run test compiled (inductor's cache: ~1 s after it); lookup: two more
-    (draft_k + 1 rows and one row), ~5 s alone on 2 quiet cores, a test of its own."""
+    Plain: one graph, the one the w8a8 run-to-run test compiled (inductor's cache: ~1 s after it); lookup: one more,
+    draft_k + 1 rows (its one-row step is plain decoding's, from the cache), a test of its own."""
     force_w8a8_kernels(monkeypatch, trained)
     draft = ["--draft=lookup"] if lookup else []
     eager = greedy(capsys, trained, "--quantize=w8a8", "--compile=False", checkpoint="one_layer").out
