@@ -136,8 +136,7 @@ def main(argv):
         else:
             acceptance = speculative.decode_speculative(model, draft, prompt_ids, settings, samples, generator)
     seconds = time.perf_counter() - start
-    for text in samples.texts[1:]:
-        print(SEPARATOR + prompt + text, end="")
+    print("".join(SEPARATOR + prompt + text for text in samples.texts[1:]), end="")  # the samples after the first
     ends_line = (prompt + samples.texts[-1]).endswith("\n")  # e.g. after a stop string that ends with one
     print("" if ends_line else "\n", end="", flush=True)  # before the lines on stderr, which is not buffered
     if settings["compile"] or settings["quantize"]:  # on a CPU, gpt/kernels.py chose matrix kernels for the step

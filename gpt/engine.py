@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from gpt import UserError
 from gpt.sampling import sample_next_token
 
 
@@ -27,6 +28,8 @@ class Samples:
         self.added_at.append(time.perf_counter())
         if token == self.tokenizer.eot:
             return True
+        if token >= self.tokenizer.vocab_size:  # sampling.draw's answer to logits of NaN or inf
+            raise UserError(f"the model's logits hold NaN or inf at new token {self.n_tokens}; try --dtype=float32")
         text, piece = self.texts[sample], self.decoders[sample](token)
         stop_end = self.stop_end(text, piece)
         if stop_end is not None:
@@ -113,8 +116,7 @@ def int8_weights(model):  # --quantize's (gpt/quantize.py)
 
 
 def graphs_by_default(model):
-    """Whether sample.py replays the eager decode step as a CUDA graph by default: on CUDA, for float weights (int8's
-    eager step makes a float copy of every weight, so int8 compiles)."""
+    """Whether sample.py replays the eager decode step as a CUDA graph by default: on CUDA, for float weights."""
     return device_of(model).type == "cuda" and not int8_weights(model)
 
 

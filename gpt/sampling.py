@@ -20,9 +20,8 @@ def greedy(logits):  # the most likely token of each row of logits (B, V), as (B
 
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """Next-token probabilities (B, V) from logits (B, V) divided by temperature (0: all on the greedy token),
-    restricted to the top_k most likely tokens and to the smallest set whose probability reaches top_p."""
-    check_sampling(temperature, top_k, top_p)
+    """Next-token probabilities (B, V) from logits (B, V) / temperature (0: all on the greedy token), restricted to the
+    top_k most likely tokens and to the smallest set reaching top_p (settings checked: sample_next_token, sample.py)."""
     if temperature == 0:
         return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits), 1.0)
     logits = logits.float() / temperature
@@ -53,10 +52,10 @@ def sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator
 
 
 def draw(probs, generator=None):
-    """One token id per row of probs (..., V), as (..., 1): where a uniform draw falls in the row's cumulative sum.
-    torch.multinomial draws a number per token (~1.4 ms a GPT-2 row on a CPU), and on CUDA waits to check its input
-    (pytorch/pytorch#108968). In float64, a rare token keeps its share of a sum over 50k (MPS has no float64)."""
+    """One token id per row of probs (..., V), as (..., 1): where a uniform draw falls in the row's cumulative sum (V
+    for a row of NaN or inf). torch.multinomial draws a number per token (~1.4 ms a GPT-2 row on a CPU) and on CUDA
+    waits to check its input (pytorch#108968). In float64 a rare token keeps its share of 50k (MPS has no float64)."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float32 if probs.device.type == "mps" else torch.float64)  # (..., V)
     cdf = cdf / cdf[..., -1:]  # ends at exactly 1.0, above every draw from [0, 1)
     u = torch.rand(*probs.shape[:-1], 1, dtype=cdf.dtype, device=probs.device, generator=generator)
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.size(-1) - 1)  # never a token of probability 0
+    return torch.searchsorted(cdf, u, right=True)  # never a token of probability 0; V: no token (engine.Samples stops)

@@ -412,6 +412,9 @@ def test_draw_follows_the_probabilities_and_never_a_token_of_probability_zero():
     assert torch.equal(draw(rows, torch.Generator().manual_seed(0)), picks)
     assert not torch.equal(draw(rows, torch.Generator().manual_seed(1)), picks)
     assert draw(torch.tensor([0.0, 0.0, 2.0])).tolist() == [2]  # one row (..., V) -> (..., 1)
+    nan, inf = float("nan"), float("inf")  # rows that are no distribution draw V, no token (engine.Samples stops there)
+    assert draw(torch.tensor([[0.5, nan, 0.5], [0.0, inf, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 0.0]])).tolist() == \
+        [[3], [3], [3], [1]]
 
 
 # ----------------------------------------------------------------------------------------------------

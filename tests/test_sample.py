@@ -497,6 +497,17 @@ def test_a_missing_draft_names_the_draft_config_for_the_model_s_dataset_and_it_w
     assert "pass it as --dataset" in message and "--dataset=" not in message  # a model without train.py's settings
 
 
+def test_logits_of_nan_stop_sampling_in_one_line(ckpts, monkeypatch, tmp_path):
+    """A model whose logits hold NaN (a broken weight here; float16 overflowing elsewhere) samples no text from them:
+    draw has no token for such a row, and sample.py stops at it in one line (not garbage, nor a traceback)."""
+    checkpoint = torch.load(ckpts["target"], weights_only=True)
+    checkpoint["model"]["lm_head.weight"][5, 0] = float("nan")  # logit 5 of every position
+    os.makedirs(tmp_path / "nan")
+    torch.save(checkpoint, tmp_path / "nan" / "ckpt.pt")
+    message = script_error(monkeypatch, f"--out_dir={tmp_path / 'nan'}", f"--prompt={PROMPT}", "--temperature=0.8")
+    assert "logits hold NaN or inf at new token 1" in message and "--dtype=float32" in message, message
+
+
 def test_errors_come_before_any_output(ckpts, capsys):
     with pytest.raises(UserError):
         sample.main([f"--out_dir={ckpts['target']}", "--max_new_tokens=ten"])
