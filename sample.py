@@ -129,12 +129,10 @@ def main(argv):
     start = time.perf_counter()
     if not settings["draft"]:
         acceptance = decode_batch(model, prompt_ids, settings, samples, generator)  # None: nothing drafted
-    else:  # speculative: returns the drafted tokens (accepted, proposed)
-        from gpt import speculative
-        if draft is None:
-            acceptance = speculative.decode_lookup(model, prompt_ids, settings, samples, generator)
-        else:
-            acceptance = speculative.decode_speculative(model, draft, prompt_ids, settings, samples, generator)
+    else:  # speculative, with a draft model or (None) prompt lookup: returns the drafted tokens (accepted, proposed)
+        from gpt.speculative import decode_lookup, decode_speculative
+        acceptance = (decode_lookup(model, prompt_ids, settings, samples, generator) if draft is None
+                      else decode_speculative(model, draft, prompt_ids, settings, samples, generator))
     seconds = time.perf_counter() - start
     print("".join(SEPARATOR + prompt + text for text in samples.texts[1:]), end="")  # the samples after the first
     ends_line = (prompt + samples.texts[-1]).endswith("\n")  # e.g. after a stop string that ends with one

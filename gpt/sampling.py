@@ -15,15 +15,17 @@ def check_sampling(temperature, top_k, top_p):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def greedy(logits):  # the most likely token of each row of logits (B, V), as (B, 1): temperature 0
-    return logits.argmax(dim=-1, keepdim=True)
+def greedy(logits):  # temperature 0: the most likely token of each row of logits (B, V), as (B, 1)
+    best, ids = logits.max(dim=-1, keepdim=True)  # best: NaN where the row holds one (argmax would pick its token)
+    return ids.masked_fill(~best.isfinite(), logits.size(-1))  # V for a row of NaN or inf: no token, as from draw
 
 
 def sampling_probs(logits, temperature=1.0, top_k=None, top_p=None):
     """Next-token probabilities (B, V) from logits (B, V) / temperature (0: all on the greedy token), restricted to the
     top_k most likely tokens and to the smallest set reaching top_p (settings checked: sample_next_token, sample.py)."""
-    if temperature == 0:
-        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, greedy(logits), 1.0)
+    if temperature == 0:  # greedy's V (a row of NaN or inf) goes past the end: a row of zeros, from which draw gives V
+        one_hot = logits.new_zeros(logits.size(0), logits.size(-1) + 1, dtype=torch.float32)
+        return one_hot.scatter_(-1, greedy(logits), 1.0)[:, :-1]
     logits = logits.float() / temperature
     if top_k is not None:
         kth_largest = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]

@@ -67,6 +67,8 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
         logits = last_logits(draft, torch.tensor([feed], device=device), draft_cache)
         q = next_token_probs(logits, settings, vocab_size)[0]
         feed = [int(draw(q, generator))]
+        if feed[0] == vocab_size:  # draw's no token: the target's own is engine.Samples' to stop at
+            raise UserError("the draft's logits hold NaN or inf; try --dtype=float32 or another draft")
         proposed.append(feed[0])
         draft_probs.append(q)
 

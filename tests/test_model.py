@@ -375,6 +375,18 @@ def test_sampling_probs_top_k_and_top_p(device):
     assert sample_next_token(logits, temperature=0.0).item() == 1
 
 
+def test_greedy_takes_the_first_most_likely_token_and_no_token_from_nan_or_inf(device):
+    """temperature 0: the first of equal maxima; V (no token, as draw's) for a row holding NaN or inf, where argmax
+    would name the NaN's token (or the inf's); as probabilities (speculative decoding's), such a row holds none."""
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, 3.0, 3.0], [1.0, nan, 3.0], [nan, nan, nan], [0.0, inf, 1.0], [-inf, -inf, -inf],
+                           [-inf, 2.0, -inf]], device=device)
+    assert sample_next_token(logits, temperature=0.0).tolist() == [[1], [3], [3], [3], [3], [1]]
+    probs = sampling_probs(logits, temperature=0.0)
+    assert probs.tolist() == [[0, 1, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 1, 0]]
+    assert draw(probs).tolist() == [[1], [3], [3], [3], [3], [1]]
+
+
 def test_top_p_keeps_the_smallest_most_likely_set_reaching_it_whatever_its_size(device):
     """top_p over 6,000 tokens, rows whose nucleus holds a few tokens, about a thousand and most: on a CPU the top 256
     are taken first and 16x more while they fall short (each row here stops at another size), elsewhere all are sorted

@@ -497,15 +497,33 @@ def test_a_missing_draft_names_the_draft_config_for_the_model_s_dataset_and_it_w
     assert "pass it as --dataset" in message and "--dataset=" not in message  # a model without train.py's settings
 
 
-def test_logits_of_nan_stop_sampling_in_one_line(ckpts, monkeypatch, tmp_path):
-    """A model whose logits hold NaN (a broken weight here; float16 overflowing elsewhere) samples no text from them:
-    draw has no token for such a row, and sample.py stops at it in one line (not garbage, nor a traceback)."""
-    checkpoint = torch.load(ckpts["target"], weights_only=True)
+def broken_copy(checkpoint_path, folder):
+    """A copy of a checkpoint in folder whose logits hold NaN (a broken weight here; float16 overflowing elsewhere)."""
+    checkpoint = torch.load(checkpoint_path, weights_only=True)
     checkpoint["model"]["lm_head.weight"][5, 0] = float("nan")  # logit 5 of every position
-    os.makedirs(tmp_path / "nan")
-    torch.save(checkpoint, tmp_path / "nan" / "ckpt.pt")
-    message = script_error(monkeypatch, f"--out_dir={tmp_path / 'nan'}", f"--prompt={PROMPT}", "--temperature=0.8")
-    assert "logits hold NaN or inf at new token 1" in message and "--dtype=float32" in message, message
+    os.makedirs(folder)
+    torch.save(checkpoint, os.path.join(folder, "ckpt.pt"))
+    return folder
+
+
+@pytest.mark.parametrize("broken, settings", [
+    ("target", ["--temperature=0.8"]),
+    ("target", ["--temperature=0"]),  # argmax would take the NaN's token: garbage, silently
+    ("target", ["--temperature=0", "--draft=draft"]),
+    ("target", ["--temperature=0", "--draft=lookup"]),
+    ("draft", ["--temperature=0.8", "--draft=draft"])],  # its proposal would index the target's probabilities
+    ids=["sampled", "greedy", "greedy_with_a_draft", "greedy_prompt_lookup", "a_broken_draft"])
+def test_logits_of_nan_stop_sampling_in_one_line(ckpts, monkeypatch, tmp_path, broken, settings):
+    """A model whose logits hold NaN samples no text from them, greedy or not, plain or speculative: greedy and draw
+    have no token for such a row, and sample.py stops at it in one line (not garbage, nor a traceback)."""
+    models = dict(target=ckpts["target"], draft=ckpts["draft"])
+    models[broken] = broken_copy(models[broken], tmp_path / "nan")
+    settings = [arg.replace("=draft", f"={models['draft']}") for arg in settings]
+    message = script_error(monkeypatch, f"--out_dir={models['target']}", f"--prompt={PROMPT}", *settings)
+    if broken == "draft":
+        assert "the draft's logits hold NaN or inf" in message, message
+    else:
+        assert "logits hold NaN or inf at new token 1" in message and "--dtype=float32" in message, message
 
 
 def test_errors_come_before_any_output(ckpts, capsys):
