@@ -74,7 +74,9 @@ def static_step(device, batch_size, compiled):
         if compiled and marked is not cache:
             mark_static(cache)
             marked = cache
-        step_tokens.copy_(tokens)
+        # V, no token (sampling.greedy's and draw's for logits of NaN or inf), is read back a step late; kept in the
+        # model's vocabulary, a vocabulary unpadded past the tokenizer's embeds it meanwhile instead of failing
+        torch.clamp(tokens, max=model.config.vocab_size - 1, out=step_tokens)
         input_pos.fill_(cache.pos)
         logits = (decode_step if first else step)(model, step_tokens, cache, input_pos)[:, -1]  # (B, V)
         first = False

@@ -497,10 +497,20 @@ def test_a_missing_draft_names_the_draft_config_for_the_model_s_dataset_and_it_w
     assert "pass it as --dataset" in message and "--dataset=" not in message  # a model without train.py's settings
 
 
-def broken_copy(checkpoint_path, folder):
-    """A copy of a checkpoint in folder whose logits hold NaN (a broken weight here; float16 overflowing elsewhere)."""
+def broken_copy(checkpoint_path, folder, unpadded=False):
+    """A copy of a checkpoint in folder whose logits hold NaN (a broken weight here; float16 overflowing elsewhere).
+    unpadded: its vocabulary cut to the tokenizer's, as a Hugging Face model's may be (train.py pads it), and NaN in
+    the embedding of every character the prompt does not hold: the logits turn NaN after the first such token, when a
+    static-cache step has fed the token after it before reading it back."""
     checkpoint = torch.load(checkpoint_path, weights_only=True)
-    checkpoint["model"]["lm_head.weight"][5, 0] = float("nan")  # logit 5 of every position
+    weights, meta = checkpoint["model"], checkpoint["meta"]
+    if unpadded:
+        checkpoint["model_config"]["vocab_size"] = meta["vocab_size"]
+        for name in ("embed_tokens.weight", "lm_head.weight"):
+            weights[name] = weights[name][:meta["vocab_size"]].clone()
+        weights["embed_tokens.weight"][[c not in PROMPT for c in meta["chars"]]] = float("nan")
+    else:
+        weights["lm_head.weight"][5, 0] = float("nan")  # logit 5 of every position
     os.makedirs(folder)
     torch.save(checkpoint, os.path.join(folder, "ckpt.pt"))
     return folder
@@ -511,19 +521,25 @@ def broken_copy(checkpoint_path, folder):
     ("target", ["--temperature=0"]),  # argmax would take the NaN's token: garbage, silently
     ("target", ["--temperature=0", "--draft=draft"]),
     ("target", ["--temperature=0", "--draft=lookup"]),
-    ("draft", ["--temperature=0.8", "--draft=draft"])],  # its proposal would index the target's probabilities
-    ids=["sampled", "greedy", "greedy_with_a_draft", "greedy_prompt_lookup", "a_broken_draft"])
+    ("draft", ["--temperature=0.8", "--draft=draft"]),  # its proposal would index the target's probabilities
+    ("unpadded_target", ["--temperature=0", "--cuda_graph=True"])],  # the static step feeds the token before it is
+    ids=["sampled", "greedy", "greedy_with_a_draft", "greedy_prompt_lookup", "a_broken_draft",  # read back
+         "greedy_static_step_unpadded_vocabulary"])
 def test_logits_of_nan_stop_sampling_in_one_line(ckpts, monkeypatch, tmp_path, broken, settings):
-    """A model whose logits hold NaN samples no text from them, greedy or not, plain or speculative: greedy and draw
-    have no token for such a row, and sample.py stops at it in one line (not garbage, nor a traceback)."""
+    """A model whose logits hold NaN samples no text from them, greedy or not, plain or speculative, on a static cache
+    too: greedy and draw have no token for such a row, and sample.py stops at it in one line (not garbage, nor a
+    traceback). --cuda_graph=True on a CPU runs the static-cache step eagerly."""
     models = dict(target=ckpts["target"], draft=ckpts["draft"])
-    models[broken] = broken_copy(models[broken], tmp_path / "nan")
+    unpadded = broken.startswith("unpadded_")
+    broken = broken.removeprefix("unpadded_")
+    models[broken] = broken_copy(models[broken], tmp_path / "nan", unpadded)
     settings = [arg.replace("=draft", f"={models['draft']}") for arg in settings]
     message = script_error(monkeypatch, f"--out_dir={models['target']}", f"--prompt={PROMPT}", *settings)
     if broken == "draft":
         assert "the draft's logits hold NaN or inf" in message, message
     else:
-        assert "logits hold NaN or inf at new token 1" in message and "--dtype=float32" in message, message
+        first = "new token" if unpadded else "new token 1;"
+        assert f"logits hold NaN or inf at {first}" in message and "--dtype=float32" in message, message
 
 
 def test_errors_come_before_any_output(ckpts, capsys):
