@@ -284,9 +284,9 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_finishes(in_workdir, ca
     """The real command in its own process: Ctrl-C reaches compare.py and its train.py, which saves a checkpoint
     (compare.py waits for it rather than killing it); the same command then continues that run and finishes (run in
     this process: what it proves is the continuation, not the process). Ctrl-C comes once the log shows iteration 5
-    (training under way, the run's signal handler installed): of the run's 400 iterations, hundreds are still to go,
-    far longer than the 0.1 s between the test's looks at the log."""
-    workdir, args = in_workdir, [f"a={TINY} --eval_interval=100000", "--seeds=1", "--iters=400", "--out_dir=ctrl-c",
+    (training under way, the run's signal handler installed): of the run's 200 iterations, 195 are still to go, ~1 s
+    of work (~5 ms each), ten times the 0.1 s between the test's looks at the log."""
+    workdir, args = in_workdir, [f"a={TINY} --eval_interval=100000", "--seeds=1", "--iters=200", "--out_dir=ctrl-c",
                                  "--threads=1"]
     process = subprocess.Popen([sys.executable, os.path.join(ROOT, "compare.py"), *args], cwd=workdir,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -302,4 +302,4 @@ def test_ctrl_c_leaves_a_checkpoint_and_the_same_command_finishes(in_workdir, ca
     compare.main(args)  # raises where a run fails
     assert "a seed 1337: continuing" in capsys.readouterr().out and "resumed from iteration" in log.read_text()
     with open(workdir / "ctrl-c" / "comparison.json") as f:
-        assert json.load(f)["runs"]["a"]["1337"]["iters"] == 400
+        assert json.load(f)["runs"]["a"]["1337"]["iters"] == 200

@@ -169,6 +169,19 @@ def test_a_subprocess_gets_the_card_by_its_name(fake_cuda):
     assert result.stdout == "2 Tesla T4 (7, 5) True False\n", result.stderr
 
 
+def test_a_subprocess_gets_the_fake_once_it_imports_torch_and_keeps_it_through_torch_dynamo(fake_cuda):
+    """A subprocess that never imports torch does not get it imported by the fake (gpu_check's prepare scripts); one
+    that imports torch._dynamo (torch.compile's first step) gets dynamo as on a CPU build (it binds no CUDA stream,
+    which would be an ImportError here) and then the card, as one that imports torch alone does."""
+    fake_cuda("Tesla T4")
+    code = "import sys; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout == "False\n"
+    code = ("import torch._dynamo.device_interface as d, torch; "
+            "print(d.get_cuda_stream, torch.cuda.device_count(), torch.cuda.get_device_name(1))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout == "None 2 Tesla T4\n", result.stderr
+
+
 @pytest.mark.parametrize("card", REAL_CARDS)
 def test_auto_precision_is_bfloat16_from_ampere_on_and_float16_before(fake_cuda, card):
     """V100 (7.0) and T4 (7.5) only emulate bfloat16 (torch.cuda.is_bf16_supported() says True on a T4)."""

@@ -18,13 +18,16 @@ tensor probe behind is_bf16_supported(including_emulation=True). The properties 
 any other field is an AttributeError, not an invented number.
 
 Used two ways: tests/conftest.py's fake_cuda fixture calls install() in the test's process; a subprocess started
-with this folder on PYTHONPATH and FAKE_CUDA set to a card's name or a compute capability ("8.0") installs it at
-start-up, as Python imports sitecustomize (bench/gpu_check.py's rows, torchrun's workers).
+with this folder on PYTHONPATH and FAKE_CUDA set to a card's name or a compute capability ("8.0") installs it
+once it imports torch: Python imports sitecustomize at start-up (bench/gpu_check.py's rows, torchrun's workers).
 """
 
 import collections
+import importlib.abc
+import importlib.machinery
 import os
 import re
+import sys
 
 GPUS = int(os.environ.get("FAKE_CUDA_GPUS", "2"))  # how many cards (a test's subprocesses may be shown fewer)
 # The name of a card asked for by compute capability alone (install's card=(7, 5), FAKE_CUDA=7.5): it answers as
@@ -66,8 +69,14 @@ def install(setattr, card=(8, 0)):
     """Fake a machine with GPUS CUDA devices, each this card: its name in CARDS, or a compute capability (the
     table's card of it, named NAME). setattr(obj, name, value) does the patching (the fixture's monkeypatch, undone
     after the test). Returns the current device as a one-item list."""
+    import torch._dynamo  # before the fake: on import it binds CUDA's C functions wherever torch looks built with CUDA
+
+    return fake(setattr, card)
+
+
+def fake(setattr, card):
+    """install() less its import of torch._dynamo, which must not happen under the fake."""
     import torch
-    import torch._dynamo  # before the fake: on import it binds CUDA's C functions wherever torch was built with CUDA
 
     if torch.backends.cuda.is_built():  # torch._C._has_cuda: real C functions under the fakes, a real runtime
         raise RuntimeError(f"the fake CUDA is for a CPU-only torch; this one ({torch.__version__}) is built with "
@@ -108,5 +117,46 @@ def card_from_env(value):
     return tuple(map(int, value.split("."))) if re.fullmatch(r"\d+\.\d+", value) else value
 
 
+MISSING = object()
+
+
+class FakeOnImport(importlib.abc.MetaPathFinder):
+    """A subprocess's fake (FAKE_CUDA set): put in once torch has been imported, not at start-up, so that a process
+    that never imports torch (gpu_check's data row runs a prepare script) pays nothing for it; and lifted while
+    torch._dynamo is imported (see install()), rather than importing it first: ~2 s in every process under the fake
+    that compiles nothing (torchrun and its workers, gpu_check's commands)."""
+
+    def __init__(self, card):
+        self.card, self.faked = card, []  # (obj, name, value before the fake or MISSING, the fake)
+
+    def find_spec(self, name, path, target=None):
+        if name not in ("torch", "torch._dynamo"):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)  # Python's own finder for both
+        exec_module = spec.loader.exec_module
+
+        def exec_module_under_the_fake(module):
+            self.lift()  # torch._dynamo's import (nothing to lift yet for torch's)
+            exec_module(module)
+            self.put_back()
+            if name == "torch":
+                fake(self.record, self.card)
+
+        spec.loader.exec_module = exec_module_under_the_fake  # this spec's own loader: no other import sees it
+        return spec
+
+    def record(self, obj, name, value):
+        self.faked.append((obj, name, getattr(obj, name, MISSING), value))
+        setattr(obj, name, value)
+
+    def lift(self):
+        for obj, name, before, _ in self.faked:
+            setattr(obj, name, before) if before is not MISSING else delattr(obj, name)
+
+    def put_back(self):
+        for obj, name, _, value in self.faked:
+            setattr(obj, name, value)
+
+
 if os.environ.get("FAKE_CUDA"):
-    install(setattr, card_from_env(os.environ["FAKE_CUDA"]))
+    sys.meta_path.insert(0, FakeOnImport(card_from_env(os.environ["FAKE_CUDA"])))
