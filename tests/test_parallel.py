@@ -103,12 +103,12 @@ def world_jobs(root, workdir):
         return os.path.join(root, name)
 
     return {
-        "fsdp_3": train_job(workdir, out("fsdp_3"), "--max_iters=3", "--fsdp=True"),
         "fsdp": train_job(workdir, out("fsdp"), "--max_iters=6", "--fsdp=True"),
         "ddp": train_job(workdir, out("ddp"), "--max_iters=6", *DDP_BATCH),
         "muon_fsdp_3": train_job(workdir, out("muon_fsdp"), "--max_iters=3", "--fsdp=True", *MUON),
         "muon_fsdp": train_job(workdir, out("muon_fsdp"), *RESUME, "--fsdp=True", *MUON),
         "sharded_muon": sharded_muon_steps,
+        "fsdp_3": train_job(workdir, out("fsdp_3"), "--max_iters=3", "--fsdp=True"),  # the resumes' start
         "fsdp_3_fsdp": train_job(workdir, out("fsdp_3_fsdp"), *RESUME, "--fsdp=True", copy_from=out("fsdp_3")),
         "fsdp_3_fsdp_ac": train_job(workdir, out("fsdp_3_fsdp_ac"), *RESUME, "--fsdp=True",
                                     "--activation_checkpointing=True", copy_from=out("fsdp_3")),
