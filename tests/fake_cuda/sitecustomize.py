@@ -133,6 +133,8 @@ class FakeOnImport(importlib.abc.MetaPathFinder):
         if name not in ("torch", "torch._dynamo"):
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)  # Python's own finder for both
+        if spec is None:  # not installed: Python's own error
+            return None
         exec_module = spec.loader.exec_module
 
         def exec_module_under_the_fake(module):
