@@ -298,6 +298,8 @@ def start_processes(device):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+    if not device.startswith("cuda"):  # gloo connects the ranks here (NCCL at its first collective): none goes on
+        dist.barrier()  # until all have, or one raising a setting's error next cut off another still connecting
     return rank, world_size, device
 
 

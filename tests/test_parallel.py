@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import train
 from gpt import UserError
 from gpt.parallel import (by_index, by_name, check_fsdp, checkpoint_blocks, compile_blocks, full_model_state,
-                          full_optimizer_states, load_optimizer_states, shard, wrap_ddp)
+                          full_optimizer_states, load_optimizer_states, shard, start_processes, wrap_ddp)
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401
 from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
@@ -124,6 +124,7 @@ def world_jobs(root, workdir):
         "fsdp_ac_loads_an_optimizer_state": fsdp_ac_loads_an_optimizer_state,
         "bytes_ddp": lambda rank: bytes_per_process("ddp"),
         "bytes_fsdp": lambda rank: bytes_per_process("fsdp"),
+        "group_started": lambda rank: group_started_on_every_rank(rank, os.path.join(root, "rank1_started")),
         "mps": lambda rank: on_mps_under_torchrun(workdir, out("mps")),
         "accumulation": lambda rank: accumulation_that_does_not_divide(workdir, out("accumulation")),
     }
@@ -714,6 +715,35 @@ def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, 
     assert errors == ["error: torchrun started 2 processes on this node, but it has 1 CUDA GPU(s), one per process; "
                       "pass --nproc_per_node=1"] * 2, output
     assert "invalid device ordinal" not in output and "NCCL" not in output
+
+
+def group_started_on_every_rank(rank, flag):
+    """The world's job for the test below: start_processes on each rank, rank 1's init_process_group returning late
+    (0.5 s, having then written flag), as on a loaded machine: whether flag was there when each returned."""
+    init = dist.init_process_group
+
+    def slow_init(*args, **kwargs):
+        init(*args, **kwargs)
+        time.sleep(0.5)
+        open(flag, "w").close()
+
+    dist.init_process_group = slow_init if rank == 1 else init
+    try:
+        start_processes("cpu")
+    finally:
+        dist.init_process_group = init
+    started = os.path.exists(flag)
+    dist.barrier()  # both past start_processes before the group ends, whatever it gave
+    dist.destroy_process_group()
+    return str(started)
+
+
+def test_no_rank_goes_on_until_every_ranks_process_group_has_started(world):
+    """On gloo, a rank whose group had started went on while another's still connected: a setting refused next on
+    every rank (the accumulation below) ended the first one's process, and with it the connection the other was
+    making, whose line was then gloo's "connectFullMesh failed ... Connection closed by peer" (seen once in a suite
+    run). start_processes returns on no rank before every rank's init_process_group has (rank 1's late here)."""
+    assert world.result("group_started") == ["True", "True"]
 
 
 def on_mps_under_torchrun(workdir, out_dir):
