@@ -158,9 +158,9 @@ def choose_decode_step(settings, model):
                                and not settings["no_kv_cache"] and compiles_by_default(model))
         if settings["compile"]:
             from gpt.kernels import cache_dir
-            print(f"note: compiling the decode step (the first time, for GPT-2 small: 1-2 minutes on an H100, 2-3 on two CPU "
-                  f"cores, with its matrix kernels measured; then kept in {cache_dir()}; each run still takes seconds to "
-                  f"start, which a short run may not earn back: --compile=False skips it)", file=sys.stderr)
+            print(f"note: compiling the decode step (the first time, for GPT-2 small: 1-2 minutes on an H100, 2-3 on "
+                  f"two CPU cores, its matrix kernels measured; then kept in {cache_dir()}; each run still takes "
+                  f"seconds to start, which a short run may not earn back: --compile=False skips it)", file=sys.stderr)
 
 
 def encode_prompt(prompt, tokenizer, model, draft, draft_name):
