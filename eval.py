@@ -50,7 +50,6 @@ DEFAULTS = dict(
                    # "auto" (bfloat16 on CUDA, float16 on cards before compute capability 8.0, else float32), or one
     quantize=None,  # "int8" or "w8a8": score the model as sample.py --quantize=... decodes (gpt/quantize.py)
 )
-LM_EVAL_MISSING = "lm-eval is not installed; install it with: pip install lm-eval"
 
 
 def load(settings, device, dtype):
@@ -121,12 +120,9 @@ def score_text(settings, model, tokenizer, dataset):
 
 def run_tasks(settings, model, tokenizer):
     """lm-eval's results for --tasks, after its table is printed."""
-    try:
-        from lm_eval.utils import make_table
+    from lm_eval.utils import make_table  # main imported gpt/harness.py, which says where lm-eval is missing
 
-        from gpt import harness  # lm-eval is optional: only tasks need it
-    except ImportError:
-        raise UserError(LM_EVAL_MISSING) from None
+    from gpt import harness
     results = harness.run_tasks(model, tokenizer, harness.task_names(settings["tasks"]), limit=settings["limit"], num_fewshot=settings["num_fewshot"],
                                 batch_size=settings["batch_size"], include_path=settings["include_path"] or None)
     print(make_table(results))
@@ -149,10 +145,7 @@ def main(argv):
     settings = configure(DEFAULTS, argv)
     check_settings(settings)
     if settings["tasks"]:
-        try:
-            import lm_eval  # noqa: F401  # say so before a long model load
-        except ImportError:
-            raise UserError(LM_EVAL_MISSING) from None
+        from gpt import harness  # noqa: F401  # lm-eval is optional: one missing is said before a long model load
     device = resolve_device(settings["device"])
     from gpt.machine import SharedCpu
     cpu = SharedCpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads

@@ -268,12 +268,9 @@ def train(settings, run_dir):
         from gpt.checkpoint import load_weights
         load_weights(raw_model, checkpoint["model"], ckpt_path)  # one that model.py was edited since names the misfits
     check_vocab(data_dir, meta, config.vocab_size)
-    tasks = None  # lm-eval's tasks, run at each evaluation too (gpt/harness.py)
+    tasks = None  # lm-eval's tasks at each evaluation (gpt/harness.py, imported only then: lm-eval is optional)
     if settings["eval_tasks"].strip(" ,"):
-        try:
-            from gpt.harness import task_runner  # lm-eval is optional: only tasks need it
-        except ImportError:
-            raise UserError("eval_tasks needs lm-eval, which is not installed: pip install lm-eval") from None
+        from gpt.harness import task_runner
         tasks = task_runner(settings, meta)
     model, backend = raw_model.to(device), compile_backend(settings["compile"], device_type)  # model: what steps call
     if settings["activation_checkpointing"] or settings["fsdp"] or dist.is_initialized():

@@ -16,13 +16,17 @@ import glob
 import os
 from collections import defaultdict
 
-import lm_eval
 import torch
 import yaml
-from lm_eval.api.model import TemplateLM
-from lm_eval.tasks import TaskManager
 
 from gpt import UserError
+
+try:
+    import lm_eval
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.tasks import TaskManager
+except ImportError:  # lm-eval is optional: this module is imported only where tasks are asked for
+    raise UserError("lm-eval is not installed; install it with: pip install lm-eval") from None
 from gpt.engine import Samples, decode_batch
 from gpt.scoring import continuation_logprobs, sequence_logprobs, token_logprobs
 

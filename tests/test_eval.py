@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import eval as evaluate
+import gpt
 import train
 from data.shakespeare import prepare as prepare_bpe
 from gpt import UserError
@@ -179,12 +180,15 @@ def test_bad_input_is_a_one_line_error(bpe_run, monkeypatch, capsys, args, needl
 
 
 def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, tmp_path, monkeypatch, device):
+    """Also where an earlier test imported gpt/harness.py: a process without lm-eval never did."""
+    importlib.import_module("gpt.harness")
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval now raises ImportError
-    monkeypatch.setitem(sys.modules, "harness", None)
+    monkeypatch.delitem(sys.modules, "gpt.harness", raising=False)  # imported again, as in a fresh process
+    monkeypatch.delattr(gpt, "harness", raising=False)
     monkeypatch.chdir(bpe_run)
-    with pytest.raises(UserError, match="pip install lm-eval"):
+    with pytest.raises(UserError, match="lm-eval is not installed; install it with: pip install lm-eval"):
         evaluate.main(["--out_dir=out", "--tasks=hellaswag"])
-    with pytest.raises(UserError, match="pip install lm-eval"):
+    with pytest.raises(UserError, match="lm-eval is not installed; install it with: pip install lm-eval"):
         train.main(["--dataset=shakespeare", f"--out_dir={tmp_path / 'out2'}", "--eval_tasks=hellaswag",
                     f"--device={device}"])
 
