@@ -18,6 +18,7 @@ import matplotlib.ticker
 
 matplotlib.use("Agg")  # draws into files only: no display needed (ssh, CI)
 import matplotlib.pyplot as plt
+from matplotlib.backend_bases import FigureCanvasBase
 
 from gpt import UserError
 from gpt.files import atomic_open, failing_write
@@ -107,10 +108,10 @@ def across_seeds(runs, key):
 
 
 def save(fig, path):
-    """Write the PNG atomically: a viewer never sees a half-written image."""
+    """Write the image atomically (a viewer never sees a half-written one), in the type its name says."""
     try:
         with failing_write(path), atomic_open(path) as f:
-            fig.savefig(f, format="png")
+            fig.savefig(f, format=os.path.splitext(path)[1][1:].lower())  # a file object: savefig cannot see the name
     finally:
         plt.close(fig)
 
@@ -119,9 +120,14 @@ def main(argv):
     """Draws and saves the figure, and returns it (closed, but its lines still hold the plotted data)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dirs", nargs="+", help="run folders holding a metrics.jsonl")
-    parser.add_argument("--out", default="losses.png", help="the PNG to write (default: losses.png)")
+    parser.add_argument("--out", default="losses.png", help="the image to write, .png, .svg, .pdf, ... (default: "
+                        "losses.png)")
     parser.add_argument("--logy", action="store_true", help="log-scale loss axis")
     args = parser.parse_args(argv)
+    types = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(args.out)[1][1:].lower() not in types:  # before: a PNG under any name
+        raise UserError(f"--out {args.out}: name the image after one of the types matplotlib writes, e.g. losses.png "
+                        f"({', '.join(sorted(types))})")
     runs = {os.path.normpath(d): read_metrics(d) for d in args.out_dirs}  # labels as typed: a/out and b/out differ
     fig = draw(runs, args.logy)
     save(fig, args.out)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -114,6 +115,19 @@ def test_errors_end_the_script_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [f"error: could not write {tmp_path / 'no-such-dir' / 'x.png'} "
                                                   "(No such file or directory)"]
     assert result.stdout == ""
+
+
+def test_the_image_is_of_the_type_its_name_says_and_an_unknown_type_is_refused(tmp_path):
+    """It was a PNG whatever the name said (a .jpg, a .pdf)."""
+    write_run(tmp_path / "run")
+    plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "x.pdf")])
+    plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "x.SVG")])
+    assert (tmp_path / "x.pdf").read_bytes().startswith(b"%PDF") and b"<svg" in (tmp_path / "x.SVG").read_bytes()
+    for name in ("x.txt", "x"):
+        with pytest.raises(UserError, match=rf"^--out {re.escape(str(tmp_path / name))}: name the image after one of "
+                                            r"the types matplotlib writes, e.g. losses.png \(.*png.*\)$"):
+            plot.main([str(tmp_path / "run"), "--out", str(tmp_path / name)])
+        assert not (tmp_path / name).exists()
 
 
 def test_logy_gives_log_axes_with_plain_labels(tmp_path):
