@@ -133,7 +133,7 @@ def parse_group(spec, index):
         configs = [a for a in args if a.endswith(".py")]
         name = os.path.splitext(os.path.basename(configs[0]))[0] if configs else f"group{index + 1}"
     for arg in args:
-        key = arg[2:].partition("=")[0] if arg.startswith("--") else None
+        key = arg[2:].partition("=")[0].replace("-", "_") if arg.startswith("--") else None  # as configure reads it
         if key in SET_BY_COMPARE:
             raise UserError(f"group {name} sets --{key}, which compare.py sets for every run; give the budget as "
                             "--iters, --tokens or --seconds and the output folder as --out_dir")
@@ -141,11 +141,12 @@ def parse_group(spec, index):
 
 
 def resolve(name, args):
-    """The settings a group's runs train with (train.py's defaults, config files and overrides)."""
+    """The settings a group's runs train with (train.py's defaults, config files and overrides), checked as train.py
+    checks them: a group's mistake is found before another group's runs train."""
     import train  # torch and the model: only once the command line has been checked
 
     try:
-        return configure(train.DEFAULTS, args)
+        return train.check_settings(configure(train.DEFAULTS, args))
     except UserError as e:
         raise UserError(f"group {name}: {e}") from None
 
@@ -180,14 +181,22 @@ def budget_args(budget, iters, eval_interval):
 
 
 def check_comparable(settings):
-    """Val losses compare only on the same data and tokenizer: one dataset for every group."""
+    """Val losses compare only on the same data and tokenizer: one dataset for every group; each group's model as
+    train.py will make it on that data (checked now, as the settings are)."""
+    import train  # resolve's import already
+
     datasets = {name: s["dataset"] for name, s in settings.items()}
     if len(set(datasets.values())) > 1:
         listed = ", ".join(f"{name}: {d}" for name, d in datasets.items())
         raise UserError(f"the groups train on different datasets ({listed}), whose val losses do not compare; "
                         "give every group the same --dataset")
     dataset = next(iter(datasets.values()))
-    load_meta(os.path.join("data", dataset))  # the dataset is prepared, or a UserError says how to prepare it
+    meta = load_meta(os.path.join("data", dataset))  # the dataset is prepared, or a UserError says how to prepare it
+    for name, group_settings in settings.items():
+        try:
+            train.model_config(group_settings, meta)
+        except UserError as e:
+            raise UserError(f"group {name}: {e}") from None
 
 
 def code_version():
@@ -356,8 +365,8 @@ def main(argv):
     first = next(iter(settings.values()))
     kind = next((k for k in ("iters", "tokens", "seconds") if getattr(args, k) is not None), "iters")
     value = getattr(args, kind) if getattr(args, kind) is not None else first["max_iters"]
-    if value <= 0:
-        raise UserError(f"--{kind} must be positive, got {value}")
+    if not 0 < value < math.inf:  # nan, once written to comparison.json, would never equal itself again
+        raise UserError(f"--{kind} must be a positive number, got {value}")
     budget = dict(kind=kind, value=value)
     iters = {name: budget_iters(budget, settings[name], name) for name in groups}
     full_args = {name: [*group_args, *budget_args(budget, iters[name], settings[name]["eval_interval"])]

@@ -95,16 +95,31 @@ def check_settings(settings):
         raise UserError(bad_init_from(init_from))
     for key, least in dict(max_iters=1, batch_size=1, eval_interval=1, eval_iters=1, log_interval=1,
                            gradient_accumulation_steps=1, min_lr=0, weight_decay=0, grad_clip=0, warmup_iters=0,
-                           max_seconds=0, total_batch_size=0).items():
+                           max_seconds=0, total_batch_size=0, loss_chunk=0, threads=0).items():
         if settings[key] < least:
             raise UserError(f"{key} must be at least {least}, got {settings[key]}")
     if settings["learning_rate"] <= 0:
         raise UserError(f"learning_rate must be positive, got {settings['learning_rate']}")
-    if not 0 <= settings["muon_momentum"] < 1:  # torch's Muon takes any value, and 1 or more diverges
-        raise UserError(f"muon_momentum must be at least 0 and below 1, got {settings['muon_momentum']}")
+    for key in ("beta1", "beta2", "muon_momentum"):  # AdamW would raise on its betas (a traceback); Muon takes any
+        if not 0 <= settings[key] < 1:
+            raise UserError(f"{key} must be at least 0 and below 1, got {settings[key]}")
+    if not 0 <= settings["cooldown_frac"] <= 1:
+        raise UserError(f"cooldown_frac must be in [0, 1] (wsd's share of the decay), got {settings['cooldown_frac']}")
+    if settings["lr_schedule"] not in ("cosine", "wsd"):  # else a misspelt wsd would run as cosine
+        raise UserError(f"lr_schedule must be cosine or wsd, got {settings['lr_schedule']!r}")
     if settings["max_seconds"] and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process's clock, its own lr
         raise UserError("max_seconds works on one process only; under torchrun give the budget as max_iters")
     return settings
+
+
+def model_config(settings, meta):
+    """A new model's GPTConfig: the settings' model fields, vocab_size 0 the dataset's rounded up to 64s (faster
+    matmuls); a field GPTConfig refuses is a UserError."""
+    vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)
+    try:
+        return GPTConfig(**{key: settings[key] for key in MODEL_DEFAULTS} | dict(vocab_size=vocab_size))
+    except ValueError as e:
+        raise UserError(str(e).replace("GPTConfig.", "")) from None
 
 
 def compile_backend(compile, device_type):  # on CUDA only: on a CPU, inductor compiles for minutes a run
@@ -134,15 +149,21 @@ def make_optimizers(model, settings, device_type, sharded=False):
                         adjust_lr_fn="match_rms_adamw")]
 
 
+def eval_loaders(settings, data_dir, rank, world_size, device):
+    """Each split's loader for estimate_loss, made as the run starts (a split too short fails before anything is
+    written). Its batches are batch_size sequences on every process count: all processes' first n are one process's."""
+    return {split: ShardLoader(data_dir, split, settings["batch_size"], settings["block_size"], seed=0, rank=rank,
+                               world_size=world_size, device=device) for split in ("train", "val")}
+
+
 @torch.no_grad()
-def estimate_loss(model, settings, data_dir, rank, world_size, device, autocast):
-    """Mean loss on eval_iters batches of each split, the same ones every time (seed 0), spread over the processes."""
+def estimate_loss(model, loaders, settings, world_size, autocast):
+    """Mean loss on eval_iters batches of each split, the same ones every time, spread over the processes."""
     model.eval()
     losses = {}
-    for split in ("train", "val"):
-        loader = ShardLoader(data_dir, split, settings["batch_size"], settings["block_size"], seed=0,
-                             rank=rank, world_size=world_size, device=device)
-        total = torch.zeros((), device=device)
+    for split, loader in loaders.items():
+        loader.load_state_dict(dict(epoch=0, shard=0, window=0))  # back to the first batch (seed 0)
+        total = torch.zeros((), device=loader.device)
         n_batches = max(1, settings["eval_iters"] // world_size)
         for _ in range(n_batches):
             x, y = loader.next_batch()
@@ -235,18 +256,19 @@ def train(settings, run_dir):
     ptdtype = resolve_dtype(settings["dtype"], device_type)
     mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
     autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
+    data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
+    evaluated = eval_loaders(settings, data_dir, rank, world_size, device)  # batch_size as given: before it is split
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
         from gpt.parallel import global_batch
         settings, micro_steps, note = global_batch(settings, world_size)  # the settings saved as it ran
-    data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
     checkpoint = None
     if settings["init_from"] == "resume":  # continuing a run: gpt/resume.py, imported only then
         from gpt import resume
         checkpoint = resume.resume_checkpoint(ckpt_path, world_size, device, settings["max_iters"])
     meta = load_meta(data_dir)  # the dataset's tokenizer, which sample.py will need
     # The model's config: the checkpoint's when resuming, a pretrained model's (with this run's dropout) when
-    # fine-tuning, else from the settings and the dataset's vocabulary (rounded up to 64s: faster matmuls)
+    # fine-tuning, else from the settings and the dataset's vocabulary (model_config)
     pretrained = None
     if checkpoint is not None:
         config = GPTConfig(**checkpoint["model_config"])
@@ -255,11 +277,7 @@ def train(settings, run_dir):
         pretrained = load_pretrained(settings["init_from"][3:], meta, settings["dropout"])
         config = pretrained.config
     else:
-        vocab_size = settings["vocab_size"] or 64 * math.ceil(meta["vocab_size"] / 64)
-        try:
-            config = GPTConfig(**{key: settings[key] for key in MODEL_DEFAULTS} | dict(vocab_size=vocab_size))
-        except ValueError as e:
-            raise UserError(str(e).replace("GPTConfig.", "")) from None
+        config = model_config(settings, meta)
     if settings["block_size"] > config.block_size:
         raise UserError(f"block_size {settings['block_size']} exceeds the model's block_size {config.block_size}")
     torch.manual_seed(settings["seed"])  # the same initialization on every process, before any weights are loaded
@@ -336,7 +354,7 @@ def train(settings, run_dir):
         # evaluated every eval_interval and at the end; not again where a resumed run starts (it was, before its save)
         if (iter_num % settings["eval_interval"] == 0 or at_end) and iter_num != resumed_at:
             with timer.paused():  # evaluation and checkpoint writes are not in ms/iter
-                losses = estimate_loss(model, settings, data_dir, rank, world_size, device, autocast)
+                losses = estimate_loss(model, evaluated, settings, world_size, autocast)
                 check_finite(losses["val"], iter_num, ckpt_path)
                 scores = tasks(raw_model, autocast) if tasks else {}  # lm-eval's, on every rank
                 log.record(dict(iter=iter_num, time=timer.elapsed(), train_loss=losses["train"],

@@ -6,20 +6,22 @@ from gpt import UserError
 
 
 def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; anything else as given. A CUDA device with an index is made the current one:
-    torch.compile, fused AdamW and the allocator use the current device, so --device=cuda:1 would still touch cuda:0."""
+    """"auto": CUDA, then MPS, then CPU; else cpu, cuda, cuda:N or mps, where this torch has it. A CUDA device with an
+    index is made the current one: torch.compile, fused AdamW and the allocator use the current device, so
+    --device=cuda:1 would still touch cuda:0."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise UserError(f"--device={device}, but this torch ({torch.__version__}) sees no CUDA GPU; "
-                            "use --device=cpu (or auto)")
-        index, count = torch.device(device).index, torch.cuda.device_count()
-        if index is not None:
-            if index >= count:
-                raise UserError(f"--device={device}, but this machine has {count} CUDA GPU(s), cuda:0 to "
-                                f"cuda:{count - 1}")
-            torch.cuda.set_device(index)
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or index and not index.isdigit():  # "gpu", "meta", "cuda:x": a traceback
+        raise UserError(f"--device={device} is not a device this runs on; use auto, cpu, cuda, cuda:N or mps")
+    if kind != "cpu" and not (torch.cuda if kind == "cuda" else torch.backends.mps).is_available():
+        raise UserError(f"--device={device}, but this torch ({torch.__version__}) sees no "
+                        f"{'CUDA GPU' if kind == 'cuda' else 'MPS device'}; use --device=cpu (or auto)")
+    if kind == "cuda" and index:
+        if int(index) >= torch.cuda.device_count():
+            raise UserError(f"--device={device}, but this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 "
+                            f"to cuda:{torch.cuda.device_count() - 1}")
+        torch.cuda.set_device(int(index))
     return device
 
 

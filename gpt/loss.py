@@ -10,6 +10,8 @@ def chunked_cross_entropy(logits, hidden, targets, chunk, params):
     """The mean cross-entropy of logits(hidden) (N, C) -> (N, V) against targets (N,; -1 ignored), chunk rows at a
     time. Training (params: those logits reads, among them), each chunk's gradients are taken as it is computed
     (ChunkedLoss): the head runs once, as without chunks."""
+    if chunk < 1:  # range() would take no chunk: a loss of 0, and gradients never written
+        raise ValueError(f"loss_chunk must be at least 1 (0: no chunks), got {chunk}")
     if not (torch.is_grad_enabled() and hidden.requires_grad):  # evaluation: the losses alone
         return sum(F.cross_entropy(logits(hidden[i:i + chunk]).float(), targets[i:i + chunk], ignore_index=-1,
                                    reduction="sum") for i in range(0, len(targets), chunk)) / (targets != -1).sum()

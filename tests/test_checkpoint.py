@@ -202,8 +202,23 @@ def test_loading_a_checkpoint_never_runs_code_it_holds(tmp_path):
 # resolve_device and resolve_dtype on the CPU (on faked GPUs: test_fake_cuda.py)
 
 
+@pytest.mark.parametrize("device", ["gpu", "cpux", "meta", "cuda:x", "cuda:-1"])
+def test_a_device_that_is_not_one_is_a_one_line_error(device):
+    """torch's RuntimeError (or, for meta, one after the model loaded) before."""
+    message = f"--device={device} is not a device this runs on; use auto, cpu, cuda, cuda:N or mps"
+    with pytest.raises(UserError, match=f"^{re.escape(message)}$"):
+        resolve_device(device)
+
+
+def test_mps_where_torch_has_none_is_a_one_line_error():
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(UserError, match=r"^--device=mps, but this torch \(.*\) sees no MPS device; use --device=cpu"):
+        resolve_device("mps")
+
+
 def test_device_and_dtype_settings():
-    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("cpu") == "cpu" and resolve_device("cpu:0") == "cpu:0"
     if not torch.cuda.is_available() and not torch.backends.mps.is_available():
         assert resolve_device("auto") == "cpu"
     assert resolve_dtype("auto", "cpu") == torch.float32 and resolve_dtype("float16", "cpu") == torch.float16

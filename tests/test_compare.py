@@ -236,10 +236,18 @@ def test_lr_decays_on_the_clock_under_max_seconds():
 BAD = {  # command -> the start of its one-line error
     "different datasets": ([f"a={TINY}", f"b={TINY} --dataset=other"], "the groups train on different datasets"),
     "tokens below one step": ([f"a={TINY}", "--tokens=10"], "--tokens=10 is less than one iteration of group a"),
-    "no budget": ([f"a={TINY}", "--iters=0"], "--iters must be positive"),
+    "no budget": ([f"a={TINY}", "--iters=0"], "--iters must be a positive number"),
     "sets its seed": ([f"a={TINY} --seed=3"], "group a sets --seed, which compare.py sets"),
     "same name": ([f"a={TINY}", f"a={TINY} --mlp=relu2"], "two groups have the same name"),
     "unknown setting": ([f"a={TINY} --learnin_rate=1"], "group a: "),
+    # found once its runs started, after the other groups' had trained
+    "bad setting": ([f"a={TINY}", f"b={TINY} --loss_chunk=-1"], "group b: loss_chunk must be at least 0, got -1"),
+    "bad model": ([f"a={TINY}", f"b={TINY} --n_kv_head=3"], "group b: n_head must be divisible by n_kv_head (3)"),
+    # nan written to comparison.json never equals itself: the folder refused every budget after it
+    "nan budget": ([f"a={TINY}", "--seconds=nan"], "--seconds must be a positive number, got nan"),
+    "inf budget": ([f"a={TINY}", "--seconds=inf"], "--seconds must be a positive number, got inf"),
+    # a dashed spelling, which configure reads as max_seconds, got past the check
+    "sets its budget, dashed": ([f"a={TINY} --max-seconds=1"], "group a sets --max_seconds, which compare.py sets"),
 }
 
 

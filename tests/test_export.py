@@ -716,8 +716,9 @@ def test_train_fine_tunes_from_an_exported_folder(char_data, char_ckpts, tmp_pat
     os.chdir(char_data)
     try:
         train.main(argv)
-        expected = train.estimate_loss(load_model(char_ckpts["swiglu"], device)[0], settings,
-                                       os.path.join("data", "shakespeare_char"), 0, 1, device, contextlib.nullcontext())
+        loaders = train.eval_loaders(settings, os.path.join("data", "shakespeare_char"), 0, 1, device)
+        expected = train.estimate_loss(load_model(char_ckpts["swiglu"], device)[0], loaders, settings, 1,
+                                       contextlib.nullcontext())
     finally:
         os.chdir(cwd)
     with open(out_dir / "metrics.jsonl") as f:

@@ -617,6 +617,9 @@ def test_chunked_loss_holds_one_chunk_of_logits_at_a_time_and_runs_the_head_once
     with torch.no_grad():
         model(x, y, loss_chunk=10)
     assert rows == [10, 10, 10, 2] * 2
+    for grad_enabled in (True, False):  # training and evaluation each summed no chunk: a loss of 0, NaN gradients
+        with torch.set_grad_enabled(grad_enabled), pytest.raises(ValueError, match="loss_chunk must be at least 1"):
+            model(x, y, loss_chunk=-1)
 
 
 def test_a_chunked_training_step_counts_the_flops_of_the_mfu_formula():

@@ -37,16 +37,19 @@ from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_ba
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# 2 layers (so that there are two sharded blocks), no dropout (processes draw different masks), global batch 2 x 4
-RUN = TINY + TWO_PROCESSES + ["--n_layer=2", "--dropout=0.0", "--gradient_accumulation_steps=2", "--eval_interval=3"]
+# 2 layers (so that there are two sharded blocks), no dropout (processes draw different masks), global batch 2 x 4;
+# evaluations of 4 batches of 4 sequences (on 2 processes 2 each)
+RUN = TINY + TWO_PROCESSES + ["--n_layer=2", "--dropout=0.0", "--gradient_accumulation_steps=2", "--eval_interval=3",
+                              "--eval_iters=4"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 RESUME = ["--max_iters=6", "--init_from=resume"]
 MUON = ["--optimizer=muon"]
 ADAMW = dict(train.DEFAULTS, optimizer="adamw", weight_decay=0.1)  # make_optimizers' settings
 BF16 = ["--max_iters=6", "--dtype=bfloat16"]
 # DDP's global batch given as one micro-step of 8 sequences, which its 2 processes split into 4 each
-# (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens
-DDP_BATCH = ["--gradient_accumulation_steps=1", "--batch_size=8"]
+# (gpt.parallel.split_over_processes), the others' as 2 micro-steps of 4: the same 2 x 4 x 32 tokens; its evaluations
+# 2 batches of 8 sequences (batch_size as given), the others' 16 sequences too
+DDP_BATCH = ["--gradient_accumulation_steps=1", "--batch_size=8", "--eval_iters=2"]
 
 
 def assert_same_run(got_dir, expected_dir, tolerance):
@@ -232,6 +235,14 @@ def test_fsdp_ddp_and_one_process_train_the_same_model(world):
     assert "the global batch of 8 sequences of 32 tokens is 4 on each of 2 processes" in world.result("ddp")[0]
     assert_same_run(world.out_dir("fsdp"), world.out_dir("single"), 1e-5)
     assert_same_run(world.out_dir("ddp"), world.out_dir("single"), 1e-5)
+
+
+def test_the_same_command_on_one_process_is_the_same_run_evaluations_included(world, workdir, tmp_path):
+    """DDP's command (8 sequences a step, 4 on each process) on one process: the same losses, validation included, and
+    weights. Evaluations read eval_iters batches of batch_size as given on any process count; the split batch once
+    made each process's evaluation half as long, so that 2 processes read half of one process's batches."""
+    single = one_process_run(workdir, tmp_path / "single", "--max_iters=6", *DDP_BATCH)
+    assert_same_run(world.out_dir("ddp"), single, 1e-5)
 
 
 def test_muon_under_fsdp_trains_and_resumes_as_one_process_does(world, workdir, tmp_path):
@@ -750,7 +761,14 @@ def on_mps_under_torchrun(workdir, out_dir):
     """The world's job for the test below: `torchrun ... train.py --device=mps`, as run_script runs it in this
     process: its exit status and stderr."""
     args = [a for a in TINY if not a.startswith("--device")] + ["--device=mps", f"--out_dir={out_dir}"]
-    result = run_script(TRAIN, args, workdir)
+    mps_is_available = torch._C._mps_is_available
+    torch._C._mps_is_available = lambda: True  # as on a Mac: else resolve_device says there is no MPS device first
+    torch.backends.mps.is_available.cache_clear()  # (torch keeps its first answer)
+    try:
+        result = run_script(TRAIN, args, workdir)
+    finally:
+        torch._C._mps_is_available = mps_is_available
+        torch.backends.mps.is_available.cache_clear()
     return f"{result.returncode}\n{result.stderr}"
 
 

@@ -594,6 +594,12 @@ def test_a_run_from_scratch_over_a_run_is_refused_and_overwrite_replaces_it(work
         assert all(way in message for way in ("--init_from=resume", "another --out_dir", "--overwrite")), message
     assert file_bytes(os.path.join(out_dir, "ckpt.pt")) == ckpt  # untouched: still loads, still iteration 3
     assert file_bytes(os.path.join(out_dir, "metrics.jsonl")) == log and load_ckpt(out_dir)["iter_num"] == 3
+    # a run that will fail (a val split shorter than one window; the train split has a few) fails before it replaces:
+    # its evaluation's loader was once made at the first evaluation, after the earlier run's files were removed
+    with pytest.raises(UserError, match="the val split .* is shorter than one window of block_size"):
+        train_main(workdir, out_dir, "--max_iters=2", "--overwrite", "--block_size=200000")
+    assert file_bytes(os.path.join(out_dir, "ckpt.pt")) == ckpt
+    assert file_bytes(os.path.join(out_dir, "metrics.jsonl")) == log
 
     train_main(workdir, out_dir, "--max_iters=2", "--eval_interval=2", "--overwrite")
     assert [r["iter"] for r in records(out_dir)] == [0, 1, 2, 2]  # a fresh log
@@ -891,6 +897,22 @@ def test_muon_momentum_outside_zero_to_one_is_a_one_line_error():
         with pytest.raises(UserError, match=rf"^muon_momentum must be at least 0 and below 1, got {bad}$"):
             train.check_settings(dict(train.DEFAULTS, muon_momentum=bad))
     assert train.check_settings(dict(train.DEFAULTS, muon_momentum=0.9))["muon_momentum"] == 0.9
+
+
+@pytest.mark.parametrize("key, bad, message", [
+    # a negative chunk summed no loss (0.0, "improved") and saved NaN weights over a good checkpoint
+    ("loss_chunk", -1, "loss_chunk must be at least 0, got -1"),
+    ("threads", -1, "threads must be at least 0, got -1"),  # torch.set_num_threads' RuntimeError
+    ("beta1", 1.0, "beta1 must be at least 0 and below 1, got 1.0"),  # AdamW's ValueError, once the model was built
+    ("beta2", -0.5, "beta2 must be at least 0 and below 1, got -0.5"),
+    ("cooldown_frac", 1.5, r"cooldown_frac must be in \[0, 1\] \(wsd's share of the decay\), got 1.5"),
+    ("lr_schedule", "linear", "lr_schedule must be cosine or wsd, got 'linear'"),  # ran as cosine
+])
+def test_a_setting_that_would_fail_or_mislead_the_run_is_refused_before_it_starts(key, bad, message):
+    with pytest.raises(UserError, match=f"^{message}$"):
+        train.check_settings(dict(train.DEFAULTS, **{key: bad}))
+    edge = dict(loss_chunk=0, threads=0, beta1=0.0, beta2=0.999, cooldown_frac=1.0, lr_schedule="wsd")[key]
+    assert train.check_settings(dict(train.DEFAULTS, **{key: edge}))[key] == edge
 
 
 def test_muon_leaves_an_embedding_inside_a_block_to_adamw():
