@@ -29,7 +29,7 @@ from gpt.checkpoint import load_model
 from gpt.device import resolve_device, resolve_dtype
 from gpt.files import write_json
 from gpt.scoring import token_logprobs
-from gpt.shards import find_shards, read_shard
+from gpt.shards import find_shards, load_meta, read_shard
 from gpt.tokenizer import Tokenizer
 
 DEFAULTS = dict(
@@ -89,8 +89,13 @@ def text_tokens(path, tokenizer):
     return tokens
 
 
-def val_tokens(dataset, max_tokens):
-    """The first max_tokens + 1 tokens of data/<dataset>'s val shards."""
+def val_tokens(dataset, max_tokens, meta):
+    """The first max_tokens + 1 tokens of data/<dataset>'s val shards, whose tokenizer must be the model's (meta)."""
+    data_meta = load_meta(os.path.join("data", dataset))
+    if data_meta != meta:  # another vocabulary's ids, scored as the model's: a figure of nothing, or an IndexError
+        raise UserError(f"data/{dataset} has another tokenizer ({data_meta['tokenizer']}, {data_meta['vocab_size']} "
+                        f"tokens) than the model ({meta['tokenizer']}, {meta['vocab_size']} tokens); pass the "
+                        "--dataset it was trained on, or --text=FILE")
     tokens, needed = [], max_tokens + 1
     for path in find_shards(os.path.join("data", dataset), "val"):
         tokens.append(np.asarray(read_shard(path)[:needed - sum(map(len, tokens))], dtype=np.int64))
@@ -108,7 +113,10 @@ def score_text(settings, model, tokenizer, dataset):
         if not dataset:
             raise UserError("which text? pass --text=FILE, or --dataset=NAME for data/NAME's val split "
                             "(a Hugging Face folder has no dataset of its own)")
-        tokens, source = val_tokens(dataset, settings["max_tokens"]), f"data/{dataset} val split"
+        tokens, source = val_tokens(dataset, settings["max_tokens"], tokenizer.meta), f"data/{dataset} val split"
+    if settings["stride"] > model.config.block_size:  # windows with gaps between them, and a traceback
+        raise UserError(f"stride must be at most the model's block_size ({model.config.block_size}), got "
+                        f"{settings['stride']}")
     figures = bits_per_byte(model, tokens, tokenizer.byte_lengths(), settings["stride"], settings["batch_size"])
     return dict(source=source, **figures, block_size=model.config.block_size,
                 stride=settings["stride"] or max(1, model.config.block_size // 2))

@@ -180,7 +180,7 @@ def task_runner(settings, meta):
         manager = task_manager(names, include_path)
         check_tasks(names, manager, include_path)
     except UserError as e:
-        raise UserError(f"eval_tasks: {e}") from None
+        raise as_train_error(e) from None
 
     def run(model, autocast):
         try:
@@ -188,9 +188,13 @@ def task_runner(settings, meta):
                 results = run_tasks(model, tokenizer, names, limit=settings["eval_tasks_limit"],
                                     batch_size=settings["batch_size"], manager=manager)
         except UserError as e:
-            raise UserError(f"eval_tasks: {e}") from None
+            raise as_train_error(e) from None
         finally:
             model.train()  # the harness put it in eval mode
         return task_figures(results) if results else {}
 
     return run
+
+
+def as_train_error(error):  # eval.py's flag in the message, as train.py spells it
+    return UserError("eval_tasks: " + str(error).replace("--include_path", "--eval_tasks_include_path"))

@@ -18,7 +18,7 @@ from dataclasses import fields, replace
 import torch
 
 from gpt import UserError
-from gpt.files import write_json
+from gpt.files import failing_write, write_json
 from gpt.bpe import byte_to_unicode, named_encoding, tokenizer_json_meta
 import model as model_py  # the module: its can_attend as it is at the time of an export (an edit, a test's patch)
 from model import GPTConfig
@@ -393,6 +393,8 @@ def export_hf(model, meta, folder):
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
         raise UserError(f"export a CPU float32 model (this one is {weight.dtype} on {weight.device}), "
                         "e.g. gpt.checkpoint.load_model(out_dir)")
+    if os.path.exists(folder) and not os.path.isdir(folder):  # else a FileExistsError once the export was checked
+        raise UserError(f"{folder} is a file; export into a new or empty folder")
     others = sorted(set(os.listdir(folder)) - EXPORT_FILES) if os.path.isdir(folder) else []
     if others:
         raise UserError(f"{folder} holds files an export does not write ({', '.join(others[:3])}); "
@@ -402,7 +404,8 @@ def export_hf(model, meta, folder):
     idx = proof_ids(model.config)
     ours = our_outputs(model, idx)
     parent = os.path.dirname(os.path.abspath(folder))
-    os.makedirs(parent, exist_ok=True)
+    with failing_write(parent):  # a file where the path has a folder: one line
+        os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(os.path.normpath(folder)) + ".tmp-", dir=parent)
     try:
         write_folder(model, meta, config, tmp)

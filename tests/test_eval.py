@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -157,12 +158,26 @@ def test_a_lower_precision_scores_as_training_scores_its_val_loss(bpe_run, tmp_p
     assert figures["loss"] != pytest.approx(float32["loss"], rel=1e-6)  # autocast was on
 
 
+def test_a_dataset_of_another_tokenizer_is_a_one_line_error(bpe_run, tmp_path, monkeypatch):
+    """Before, a BPE model scored character ids as its own tokens (a figure of nothing, exit 0); a character model
+    given BPE ids failed with an IndexError."""
+    from gpt.prepare import write_meta, write_shard
+
+    (tmp_path / "data" / "chars").mkdir(parents=True)
+    write_meta(str(tmp_path / "data" / "chars"), char_meta("abc"))
+    write_shard(str(tmp_path / "data" / "chars" / "chars_val_000000.bin"), [0, 1, 2] * 50)
+    with pytest.raises(UserError, match=r"^data/chars has another tokenizer \(char, 3 tokens\) than the model \(gpt2, "
+                                        r"50257 tokens\); pass the --dataset it was trained on, or --text=FILE$"):
+        run_eval(tmp_path, monkeypatch, f"--out_dir={bpe_run / 'out'}", "--dataset=chars", "--device=cpu")
+
+
 BAD_INPUT = [
     (["--out_dir=nowhere"], "no checkpoint at nowhere"),
     (["--out_dir=out", "--text=missing.txt"], "cannot read --text missing.txt"),
     (["--out_dir=out", "--text=empty.txt"], "--text empty.txt is empty"),
     (["--out_dir=out", "--tasks=hellaswag", "--limit=0"], "limit must be a positive"),
     (["--out_dir=out", "--stride=-1"], "stride must be"),
+    (["--out_dir=out", "--stride=33"], "stride must be at most the model's block_size (32), got 33"),  # a traceback
     (["--init_from=hf:nowhere"], "nowhere"),
 ]
 
@@ -191,6 +206,17 @@ def test_tasks_without_lm_eval_say_how_to_install_it(bpe_run, tmp_path, monkeypa
     with pytest.raises(UserError, match="lm-eval is not installed; install it with: pip install lm-eval"):
         train.main(["--dataset=shakespeare", f"--out_dir={tmp_path / 'out2'}", "--eval_tasks=hellaswag",
                     f"--device={device}"])
+
+
+def test_a_task_folder_that_is_not_there_names_train_pys_setting(bpe_run, tmp_path, monkeypatch, device):
+    """The harness's messages name eval.py's --include_path; train.py's setting is eval_tasks_include_path, and a
+    user who passed --include_path to train.py got an unknown setting."""
+    monkeypatch.chdir(bpe_run)
+    missing = tmp_path / "no_such_folder"
+    with pytest.raises(UserError, match=rf"^eval_tasks: --eval_tasks_include_path {re.escape(str(missing))}: no such "
+                                        "folder$"):
+        train.main(["--dataset=shakespeare", f"--out_dir={tmp_path / 'out'}", "--eval_tasks=tiny_choice",
+                    f"--eval_tasks_include_path={missing}", f"--device={device}"])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -574,6 +574,12 @@ def test_an_export_replaces_an_earlier_one_and_refuses_a_folder_holding_other_fi
     assert sorted(os.listdir(tmp_path)) == ["hf"]
     with pytest.raises(UserError, match="CPU float32"):
         export_hf(our_model("llama_like").to(torch.bfloat16), None, str(tmp_path / "bf16"))
+    (tmp_path / "a_file").write_text("")  # a file where the folder or one above it would be: FileExistsError before
+    with pytest.raises(UserError, match=f"^{re.escape(str(tmp_path / 'a_file'))} is a file; export into a new or"):
+        export_hf(our_model("llama_like"), None, str(tmp_path / "a_file"))
+    with pytest.raises(UserError, match=rf"^could not write {re.escape(str(tmp_path / 'a_file'))} \(File exists\)$"):
+        export_hf(our_model("llama_like"), None, str(tmp_path / "a_file" / "hf"))
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "hf"] and (tmp_path / "a_file").read_text() == ""
 
 
 # ----------------------------------------------------------------------------------------------------
