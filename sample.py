@@ -13,6 +13,7 @@ The decoding is gpt/engine.py's (gpt/speculative.py's with --draft): docs/sampli
 the others are printed when the batch is done; notes and the speed go to stderr.
 """
 
+import os
 import re
 import sys
 import time
@@ -63,8 +64,9 @@ def read_prompt(prompt):
         try:
             with open(prompt[5:], encoding="utf-8") as f:
                 return f.read()
-        except OSError as e:
-            raise UserError(f"cannot read the prompt file {prompt[5:]}: {e.strerror}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise UserError(f"cannot read the prompt file {prompt[5:]}: {reason}") from None
     return prompt
 
 
@@ -76,10 +78,11 @@ def unescape(text):
 
 def check_settings(settings):
     """The stop strings, after checking every setting a run needs before anything is loaded."""
-    if not isinstance(settings["num_samples"], int) or settings["num_samples"] < 1:
-        raise UserError(f"num_samples must be a positive integer, got {settings['num_samples']!r}")
-    if settings["max_new_tokens"] < 1:
-        raise UserError(f"max_new_tokens must be at least 1, got {settings['max_new_tokens']}")
+    for key in ("num_samples", "max_new_tokens", "draft_k"):
+        if not isinstance(settings[key], int) or settings[key] < 1:
+            raise UserError(f"{key} must be a positive integer, got {settings[key]!r}")
+    if not 0 <= settings["seed"] < 2**64:  # torch.Generator's range
+        raise UserError(f"seed must be at least 0 and below 2**64, got {settings['seed']}")
     try:
         check_sampling(settings["temperature"], settings["top_k"], settings["top_p"])
     except ValueError as e:
@@ -90,10 +93,8 @@ def check_settings(settings):
     if settings["cuda_graph"] and (settings["compile"] or settings["draft"] or settings["no_kv_cache"]):
         raise UserError("cuda_graph=True is for plain cached decoding, not compiled: drop --compile=True, --draft or "
                         "--no_kv_cache (compiled on CUDA, the step replays as CUDA graphs already)")
-    if settings["draft_k"] < 1:
-        raise UserError(f"draft_k must be at least 1, got {settings['draft_k']}")
     stop = settings["stop"]
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    stops = list(stop) if isinstance(stop, (list, tuple)) else [] if stop is None else [stop]  # --stop=123: an int
     if not all(isinstance(s, str) and s for s in stops):
         raise UserError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return [unescape(s) for s in stops]
@@ -102,6 +103,7 @@ def check_settings(settings):
 def main(argv):
     settings = configure(DEFAULTS, argv)
     stops = check_settings(settings)
+    prompt = read_prompt(settings["prompt"])  # a file that cannot be read: said before the model loads
     device = resolve_device(settings["device"])
     dtype = resolve_dtype(settings["dtype"], device)
     cpu = SharedCpu(device)  # on a CPU: the look at how busy the machine is runs while the model loads
@@ -118,8 +120,7 @@ def main(argv):
             quantize(each, settings["quantize"])
     choose_decode_step(settings, model)
     tokenizer = Tokenizer(meta)
-    prompt = read_prompt(settings["prompt"])
-    prompt_ids = encode_prompt(prompt, tokenizer, model, draft, settings["draft"])
+    prompt_ids = encode_prompt(prompt, tokenizer, model)
     if busy_note := cpu.check():  # torch's threads: the cores other processes leave free
         print(busy_note, file=sys.stderr)  # stdout stays the text
 
@@ -163,8 +164,8 @@ def choose_decode_step(settings, model):
                   f"seconds to start, which a short run may not earn back: --compile=False skips it)", file=sys.stderr)
 
 
-def encode_prompt(prompt, tokenizer, model, draft, draft_name):
-    """The prompt's token ids, checked to fit the context of the model (and of the draft)."""
+def encode_prompt(prompt, tokenizer, model):
+    """The prompt's token ids, checked to fit the model's context."""
     try:
         prompt_ids = tokenizer.encode(prompt, special_tokens=True)  # "<|endoftext|>" in a prompt is the token
     except UserError as e:
@@ -173,12 +174,9 @@ def encode_prompt(prompt, tokenizer, model, draft, draft_name):
         if tokenizer.eot is None:
             raise UserError("the prompt is empty; give some text to continue, e.g. --prompt='\\n'")
         prompt_ids = [tokenizer.eot]  # "a new document"
-    block_size, reader = model.config.block_size, "the model"
-    if draft is not None and draft.config.block_size < block_size:
-        block_size, reader = draft.config.block_size, f"the draft {draft_name}"
-    if len(prompt_ids) >= block_size:
-        raise UserError(f"the prompt is {len(prompt_ids)} tokens, but {reader} reads at most "
-                        f"block_size={block_size}; shorten it")
+    if len(prompt_ids) >= model.config.block_size:  # a draft's smaller window slides (gpt/speculative.py)
+        raise UserError(f"the prompt is {len(prompt_ids)} tokens, but the model reads at most "
+                        f"block_size={model.config.block_size}; shorten it")
     return prompt_ids
 
 
@@ -200,3 +198,6 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's status for it
         sys.exit(130)
+    except BrokenPipeError:  # the reader stopped reading (`| head`): no traceback, none either as Python flushes
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # stdout at exit
+        sys.exit(1)

@@ -11,7 +11,7 @@ eval_iters = 40
 log_interval = 10
 
 batch_size = 6
-block_size = 128  # the model's: a draft with less would cap the context of speculative decoding (sample.py)
+block_size = 128  # the model's: a draft with less proposes from a shorter window of its own (gpt/speculative.py)
 
 n_layer = 1  # of 3: a step costs about a third of the model's
 n_head = 4

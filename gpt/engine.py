@@ -90,8 +90,6 @@ def slide(contexts, block_size):
 def last_logits(model, tokens, cache):
     """Logits (B, V) after tokens (B, T): fed to the cache, or with no cache the whole context (B, T). The eager step:
     its key length is new at every call, so on CUDA without cuDNN's SDPA kernel, which builds a plan for each."""
-    if cache is None:
-        tokens = tokens[:, -model.config.block_size:]
     kernels = contextlib.nullcontext()
     if tokens.is_cuda:
         from gpt.sdpa import new_key_length_kernels
@@ -160,6 +158,8 @@ def decode_batch(model, prompt_ids, settings, samples, generator):
                 for name in ("k", "v", "tokens"):  # into the same tensors, where a static step reads them
                     getattr(cache, name).copy_(getattr(refilled, name))
                 cache.pos = refilled.pos
+            elif cache is None and contexts.size(1) > block_size:  # the same window, recomputed whole (once it kept
+                contexts = slide(contexts, block_size)  # the last block_size tokens: other greedy text from then on)
             logits = step(model, contexts if cache is None else tokens, cache)  # (B, V)
             tokens = next_tokens(logits, settings, samples.tokenizer.vocab_size, generator)  # (B, 1)
             contexts = torch.cat([contexts, tokens], dim=1)  # (B, T + 1)

@@ -57,7 +57,8 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
     The draft proposes k tokens from its probabilities q; the target scores all of them in one forward
     over its cache and gives p. Token i is accepted with probability min(1, p_i / q_i); at the first
     rejection the replacement is drawn from normalize(max(0, p - q)), and if all k are accepted one more
-    is drawn from the target. target_cache holds all of tokens but the last; draft_cache a prefix of it.
+    is drawn from the target. tokens: the draft's window (draft_cache holds a prefix of it), which ends as the
+    target's does (target_cache holds all of its window but the last token).
     Returns the new tokens and how many of the proposed ones were accepted.
     """
     device = device_of(target)
@@ -87,7 +88,7 @@ def speculative_step(target, draft, tokens, target_cache, draft_cache, k, settin
         new_token = int(draw(p[k], generator))
     # Roll both caches back to the accepted tokens: the target keeps tokens[-1] and the accepted ones.
     target_cache.truncate(start + 1 + len(accepted))
-    draft_cache.truncate(min(draft_cache.pos, target_cache.pos))
+    draft_cache.truncate(min(draft_cache.pos, len(tokens) + len(accepted)))
     return accepted + [new_token], len(accepted)
 
 
@@ -98,8 +99,9 @@ def decode_speculative(target, draft, prompt_ids, settings, samples, generator):
 
 
 def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
-    """decode_speculative's steps, with the models as they are given."""
-    block_size = min(target.config.block_size, draft.config.block_size)
+    """decode_speculative's steps, with the models as they are given. Each model's window slides at its own block_size:
+    the target's as plain decoding's does (so that greedy text is plain decoding's), a smaller draft's within it."""
+    block_size, draft_block_size = target.config.block_size, draft.config.block_size
     vocab_size = samples.tokenizer.vocab_size
     device = device_of(target)
     n_accepted = n_proposed = 0
@@ -111,15 +113,19 @@ def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
                 window = torch.tensor([tokens], device=device)
                 window = window if target_cache is None else slide(window, block_size)
                 target_cache, _ = prefill(target, window, block_size)
-                draft_cache, _ = prefill(draft, window, block_size)
-                tokens = window[0].tolist()
-            k = min(settings["draft_k"], settings["max_new_tokens"] - n_new - 1, block_size - len(tokens))
+                tokens, draft_cache = window[0].tolist(), None
+            if draft_cache is None or len(tokens) - draft_start >= draft_block_size:  # the draft's window: all, or
+                draft_start = 0 if len(tokens) < draft_block_size else len(tokens) - draft_block_size // 2  # slid
+                draft_cache, _ = prefill(draft, torch.tensor([tokens[draft_start:]], device=device), draft_block_size)
+            # room in the target's cache for the last token and k proposals, in the draft's for k - 1 more fed to it
+            k = min(settings["draft_k"], settings["max_new_tokens"] - n_new - 1, block_size - len(tokens),
+                    draft_block_size + 1 - (len(tokens) - draft_start))
             if k < 1:  # no room to propose: one plain step of the target
                 logits = last_logits(target, torch.tensor([tokens[-1:]], device=device), target_cache)
                 new_tokens = [int(draw(next_token_probs(logits, settings, vocab_size)[0], generator))]
             else:
-                new_tokens, accepted = speculative_step(target, draft, tokens, target_cache, draft_cache, k,
-                                                        settings, vocab_size, generator)
+                new_tokens, accepted = speculative_step(target, draft, tokens[draft_start:], target_cache,
+                                                        draft_cache, k, settings, vocab_size, generator)
                 n_accepted, n_proposed = n_accepted + accepted, n_proposed + k
             for token in new_tokens:
                 tokens.append(token)

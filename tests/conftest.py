@@ -92,6 +92,17 @@ NO_FAKE_CUDA = ("faked CUDA needs a CPU-only torch; this one is built with "
 
 
 @pytest.fixture
+def mps_present(monkeypatch):
+    """A Mac's answer that its MPS device is there, faked at torch's C boundary (torch._C._mps_is_available), so that
+    --device=mps gets past resolve_device to what a test checks next. torch keeps its first answer: cleared around."""
+    monkeypatch.setattr(torch._C, "_mps_is_available", lambda: True)
+    torch.backends.mps.is_available.cache_clear()
+    yield
+    monkeypatch.undo()
+    torch.backends.mps.is_available.cache_clear()
+
+
+@pytest.fixture
 def fake_cuda(monkeypatch):
     """A machine with two CUDA GPUs, faked at torch's C boundary only (tests/fake_cuda/sitecustomize.py): call
     fake_cuda() in a test, fake_cuda("Tesla T4") for a card of the fake's table (fake_cuda_site.CARDS), or

@@ -217,6 +217,11 @@ def test_mps_where_torch_has_none_is_a_one_line_error():
         resolve_device("mps")
 
 
+def test_mps_where_torch_has_it_is_the_device_and_autos_choice_without_cuda(mps_present):
+    assert resolve_device("mps") == "mps" and resolve_device("mps:0") == "mps:0"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "mps")
+
+
 def test_device_and_dtype_settings():
     assert resolve_device("cpu") == "cpu" and resolve_device("cpu:0") == "cpu:0"
     if not torch.cuda.is_available() and not torch.backends.mps.is_available():

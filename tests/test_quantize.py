@@ -576,7 +576,7 @@ def test_an_unknown_scheme_in_a_separate_process_is_one_line_without_traceback(i
 
 
 @pytest.mark.parametrize("script", [sample, evaluate], ids=["sample", "eval"])
-def test_w8a8_off_the_cpu_is_refused_before_the_model_loads(fake_cuda, script, tmp_path):
+def test_w8a8_off_the_cpu_is_refused_before_the_model_loads(fake_cuda, mps_present, script, tmp_path):
     """w8a8's int8 products have kernels on a CPU only: on a GPU its layers would multiply a float32 copy of every
     weight each step, slower than plain float32, so sample.py and eval.py say so instead (CUDA faked at torch's C
     boundary; no checkpoint needed: the refusal comes first). int8 gets past the check to the missing checkpoint."""

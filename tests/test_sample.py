@@ -198,6 +198,8 @@ def test_greedy_past_block_size_slides_the_window(ckpts, capsys):
     out = greedy(capsys, ckpts, PROMPT, n).out
     assert len(out) == len(PROMPT) + n + 1
     assert out == reference_greedy(ckpts["model"], ckpts["meta"], PROMPT, n) + "\n"
+    # recomputed whole, the same window: it slid by one token a step (the last block_size kept), other text
+    assert greedy(capsys, ckpts, PROMPT, n, "--no_kv_cache").out == out
 
 
 def test_sampling_past_block_size_completes_every_sample(ckpts, capsys):
@@ -383,15 +385,14 @@ def test_compiled_lookup_equals_eager_and_compiles_two_shapes_once(ckpts, capsys
     torch._dynamo.reset()
 
 
-def test_a_prompt_too_long_for_the_draft_is_a_one_line_error(ckpts, capsys, monkeypatch):
-    """The draft reads at most 16 tokens: a 40-token prompt fits the target, not the draft."""
-    prompt = (PROMPT * 10)[:40]
-    draft = ckpts["small_block_draft"]
-    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", f"--prompt={prompt}", f"--draft={draft}")
-    assert "40 tokens" in message and draft in message and "block_size=16" in message
-    # a prompt the draft can read: speculative decoding past the draft's block_size completes
-    out = greedy(capsys, ckpts, prompt[:12], 50, f"--draft={draft}").out
-    assert out.startswith(prompt[:12]) and len(out) == 12 + 50 + 1
+def test_a_draft_of_a_smaller_block_size_gives_plain_greedy_text(ckpts, capsys):
+    """The draft reads at most 16 tokens, the target 64 (BLOCK): its window slides on its own, inside the target's,
+    which slides where plain decoding's does. Before, both slid at 16, so greedy text differed past it; and a
+    prompt longer than the draft's window was refused."""
+    draft = f"--draft={ckpts['small_block_draft']}"
+    for prompt in (PROMPT[:12], (PROMPT * 10)[:30]):  # shorter than the draft's window, and longer
+        plain = greedy(capsys, ckpts, prompt, 2 * BLOCK + 5).out
+        assert greedy(capsys, ckpts, prompt, 2 * BLOCK + 5, draft, "--draft_k=3").out == plain
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -409,6 +410,7 @@ def script_error(monkeypatch, *argv):
     return message
 
 
+NOT_UTF8 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "not_utf8.txt")  # bytes 0xff 0xfe
 BAD_INPUTS = {  # name: (arguments, words the message must contain)
     "max_new_tokens_0": (["--max_new_tokens=0"], ["max_new_tokens"]),
     "max_new_tokens_negative": (["--max_new_tokens=-3"], ["max_new_tokens", "-3"]),
@@ -425,6 +427,11 @@ BAD_INPUTS = {  # name: (arguments, words the message must contain)
     "empty_prompt": (["--prompt="], ["prompt"]),
     "prompt_longer_than_block_size": ([f"--prompt={'a' * BLOCK}"], [f"{BLOCK} tokens", f"block_size={BLOCK}"]),
     "missing_prompt_file": (["--prompt=FILE:/nonexistent/prompt.txt"], ["/nonexistent/prompt.txt"]),
+    # each of these a traceback before
+    "prompt_file_not_utf8": ([f"--prompt=FILE:{NOT_UTF8}"], [f"cannot read the prompt file {NOT_UTF8}: not UTF-8"]),
+    "stop_a_number": (["--stop=123"], ["stop must be a non-empty string or a list of them, got 123"]),
+    "seed_too_large": ([f"--seed={2**64}"], [f"seed must be at least 0 and below 2**64, got {2**64}"]),
+    "device_not_one": (["--device=gpu"], ["--device=gpu is not a device this runs on"]),
     "bad_dtype": (["--dtype=float8"], ["dtype", "float8"]),
     "cuda_graph_text": (["--cuda_graph=yes"], ["cuda_graph", "yes"]),
     "cuda_graph_and_compile": (["--cuda_graph=True", "--compile=True"], ["cuda_graph=True", "--compile=True"]),
@@ -749,6 +756,15 @@ def test_a_bad_input_in_a_separate_process_is_one_line_without_traceback(process
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert "\u00e9" in lines[0] and "~" in lines[0], lines[0]  # the characters it does not know, named
     assert result.stdout == ""
+
+
+def test_a_reader_that_stops_early_ends_the_run_without_a_traceback(ckpts):
+    """`python sample.py | head -c 20`: a BrokenPipeError traceback before, from the streamed print and again as
+    Python flushed stdout at exit. Exit status 1, stderr empty (pipefail: the status is sample.py's, not head's)."""
+    command = [sys.executable, SAMPLE, f"--out_dir={ckpts['target']}", "--max_new_tokens=100000", "--compile=False"]
+    result = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -c 20 > /dev/null', "bash", *command],
+                            capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 1 and result.stderr == "", result.stderr
 
 
 def test_compiled_greedy_with_inductor_in_a_separate_process(processes, ckpts, capsys):
