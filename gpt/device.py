@@ -6,9 +6,8 @@ from gpt import UserError
 
 
 def resolve_device(device):
-    """"auto": CUDA, then MPS, then CPU; else cpu, cuda, cuda:N or mps, where this torch has it. A CUDA device with an
-    index is made the current one: torch.compile, fused AdamW and the allocator use the current device, so
-    --device=cuda:1 would still touch cuda:0."""
+    """"auto": CUDA, then MPS, then CPU; else cpu, cuda, cuda:N or mps, where torch has it. cuda:N becomes the current
+    device: torch.compile, fused AdamW and the allocator use that one, so cuda:1 would still touch cuda:0."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     kind, _, index = device.partition(":")
