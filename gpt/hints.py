@@ -26,7 +26,11 @@ def did_you_mean(word, options):
 
 
 def config_file_hint(path):
-    """did_you_mean for a config file that cannot be read, among config/*.py (the working directory's)."""
+    """did_you_mean for a config file that cannot be read, among config/*.py (the working directory's); a setting
+    written without its dashes (max_iters=10), as the setting."""
+    key, is_setting, value = path.partition("=")
+    if is_setting and key.isidentifier():
+        return f"; a setting takes two dashes: --{key}={value}"
     return did_you_mean(path, glob.glob("config/*.py"))
 
 

@@ -66,6 +66,9 @@ def resume_report(checkpoint, settings, defaults, lr_multiplier):
     show = lambda value: repr(value) if value == "" else str(value)  # as typed on a command line
     changed = {key: f"{key} {show(before[key])} -> {show(value)}" for key, value in settings.items()
                if key not in RESUME_NOISE and before[key] != value}
+    if global_batch_tokens(before) == global_batch_tokens(settings):  # the same batch, split over other processes
+        for key in ("batch_size", "total_batch_size", "gradient_accumulation_steps"):  # (gpt/parallel.py)
+            changed.pop(key, None)
     if not changed:
         return lines
     used = [change for key, change in changed.items() if key not in FROM_CHECKPOINT]
@@ -82,6 +85,12 @@ def resume_report(checkpoint, settings, defaults, lr_multiplier):
     except (ZeroDivisionError, TypeError):  # a learning rate of 0, or a schedule setting of the wrong type
         pass
     return lines + [line]
+
+
+def global_batch_tokens(settings):
+    """Tokens per optimizer step over all processes, from settings as a run saves them (split over its processes)."""
+    return settings["total_batch_size"] or settings["batch_size"] * settings["block_size"] * settings[
+        "gradient_accumulation_steps"]
 
 
 def keep_records_until(log_path, start_iter):

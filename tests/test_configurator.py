@@ -190,6 +190,10 @@ def test_missing_config_file_is_named_and_a_close_one_suggested(tmp_path, monkey
     with pytest.raises(UserError, match="'nothing_like_it.txt'") as info:
         run("nothing_like_it.txt")
     assert "did you mean" not in str(info.value)
+    # a setting without its dashes, read as a file's name: said as the setting
+    with pytest.raises(UserError, match=r"^cannot read config file 'max_iters=10': No such file or directory; a "
+                                        r"setting takes two dashes: --max_iters=10$"):
+        run("max_iters=10")
 
 
 def test_config_file_with_a_syntax_error(tmp_path):

@@ -400,6 +400,22 @@ def test_a_resume_with_other_settings_lists_each_and_the_learning_rate_jump(work
     assert load_ckpt(out_dir)["model_config"]["n_layer"] == 1
 
 
+def test_the_same_global_batch_on_another_process_count_is_no_change():
+    """A 2-process run saves its settings as split (8 sequences a step: batch_size 4, total_batch_size 8 x 32 on
+    each); the same command resumed on one process (batch_size 8, accumulation 1) was listed as changing both."""
+    from gpt.resume import resume_report
+
+    ran = dict(train.DEFAULTS, block_size=32, batch_size=8, gradient_accumulation_steps=1)
+    checkpoint = dict(iter_num=3, best_val_loss=2.0, settings=dict(ran, batch_size=4, total_batch_size=8 * 32))
+    assert not any("settings changed" in line for line in resume_report(checkpoint, ran, train.DEFAULTS,
+                                                                           train.lr_multiplier))
+    other = dict(ran, batch_size=16)  # another global batch: said
+    (line,) = [line for line in resume_report(checkpoint, other, train.DEFAULTS, train.lr_multiplier)
+               if line.startswith("settings changed")]
+    assert changes(CHANGED.search(line).group(1))[0] == {"batch_size": ("4", "16", True),
+                                                        "total_batch_size": ("256", "0", True)}
+
+
 def test_a_checkpoint_from_before_the_restructure_resumes_with_the_line_without_a_time(workdir, tmp_path, capsys):
     with open(os.path.join(OLD_CKPT, "expected.json")) as f:
         old_settings = json.load(f)["settings"].split()
