@@ -257,7 +257,7 @@ def train(settings, run_dir):
     mixed = ptdtype != torch.float32 and not settings["fsdp"]  # FSDP's MixedPrecisionPolicy casts instead of autocast
     autocast = torch.autocast(device_type, dtype=ptdtype) if mixed else contextlib.nullcontext()
     data_dir, ckpt_path = os.path.join("data", settings["dataset"]), os.path.join(settings["out_dir"], "ckpt.pt")
-    evaluated = eval_loaders(settings, data_dir, rank, world_size, device)  # batch_size as given: before it is split
+    eval_splits = eval_loaders(settings, data_dir, rank, world_size, device)  # batch_size as given: before it is split
     micro_steps, note = settings["gradient_accumulation_steps"], None
     if world_size > 1 or settings["total_batch_size"]:  # the global batch split over processes
         from gpt.parallel import global_batch
@@ -354,7 +354,7 @@ def train(settings, run_dir):
         # evaluated every eval_interval and at the end; not again where a resumed run starts (it was, before its save)
         if (iter_num % settings["eval_interval"] == 0 or at_end) and iter_num != resumed_at:
             with timer.paused():  # evaluation and checkpoint writes are not in ms/iter
-                losses = estimate_loss(model, evaluated, settings, world_size, autocast)
+                losses = estimate_loss(model, eval_splits, settings, world_size, autocast)
                 check_finite(losses["val"], iter_num, ckpt_path)
                 scores = tasks(raw_model, autocast) if tasks else {}  # lm-eval's, on every rank
                 log.record(dict(iter=iter_num, time=timer.elapsed(), train_loss=losses["train"],
