@@ -198,6 +198,6 @@ if __name__ == "__main__":
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's status for it
         sys.exit(130)
-    except BrokenPipeError:  # the reader stopped reading (`| head`): no traceback, none either as Python flushes
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # stdout at exit
+    except BrokenPipeError:  # the reader stopped (`| head`): no traceback; stdout pointed at nothing, so that
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit raises none either
         sys.exit(1)

@@ -114,8 +114,8 @@ def speculative_loop(target, draft, prompt_ids, settings, samples, generator):
                 window = window if target_cache is None else slide(window, block_size)
                 target_cache, _ = prefill(target, window, block_size)
                 tokens, draft_cache = window[0].tolist(), None
-            if draft_cache is None or len(tokens) - draft_start >= draft_block_size:  # the draft's window: all, or
-                draft_start = 0 if len(tokens) < draft_block_size else len(tokens) - draft_block_size // 2  # slid
+            if draft_cache is None or len(tokens) - draft_start > draft_block_size:  # the draft's window: all, or
+                draft_start = 0 if len(tokens) <= draft_block_size else len(tokens) - draft_block_size // 2  # slid
                 draft_cache, _ = prefill(draft, torch.tensor([tokens[draft_start:]], device=device), draft_block_size)
             # room in the target's cache for the last token and k proposals, in the draft's for k - 1 more fed to it
             k = min(settings["draft_k"], settings["max_new_tokens"] - n_new - 1, block_size - len(tokens),
