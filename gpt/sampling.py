@@ -11,7 +11,7 @@ def check_sampling(temperature, top_k, top_p):
         raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
 
 

@@ -419,6 +419,7 @@ BAD_INPUTS = {  # name: (arguments, words the message must contain)
     "top_k_text": (["--top_k=many"], ["top_k", "many"]),
     "top_p_0": (["--top_p=0"], ["top_p"]),
     "top_p_1.5": (["--top_p=1.5"], ["top_p", "1.5"]),
+    "top_p_bool": (["--top_p=True"], ["top_p must be in (0, 1], got True"]),  # ran as top_p 1
     "temperature_negative": (["--temperature=-1"], ["temperature"]),
     "draft_k_0": (["--draft_k=0"], ["draft_k"]),
     "empty_stop": (["--stop="], ["stop"]),
