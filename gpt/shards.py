@@ -46,10 +46,13 @@ def load_meta(data_dir):
         return dict(GPT2_META)
     try:
         with open(path) as f:
-            return json.load(f)
+            meta = json.load(f)
+        if not isinstance(meta, dict) or "tokenizer" not in meta or type(meta.get("vocab_size")) is not int:
+            raise ValueError("a tokenizer and an int vocab_size are missing")  # a KeyError or TypeError later
+        return meta
     except ValueError as e:
         from gpt.hints import rerun
-        raise UserError(f"{path}: not JSON ({e}); {rerun(data_dir)}") from None
+        raise UserError(f"{path}: not a dataset's meta.json ({e}); {rerun(data_dir)}") from None
 
 
 def check_vocab(data_dir, meta, model_vocab_size):

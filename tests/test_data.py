@@ -6,6 +6,7 @@ import os
 import re
 import resource
 import shlex
+import shutil
 import struct
 import subprocess
 import sys
@@ -136,6 +137,31 @@ def test_shakespeare_bpe_prepare(tmp_path):
     assert json.loads((tmp_path / "meta.json").read_text())["vocab_size"] == enc.n_vocab
 
 
+def test_a_folder_holding_other_shards_is_refused_and_nothing_is_written(char_prepared, tmp_path):
+    """The BPE prepare into a folder the character one prepared: both kinds of shards, one meta.json, which train.py
+    read together (character ids as GPT-2 tokens, or an IndexError mid-run once the char meta came back)."""
+    folder = tmp_path / "mine"
+    shutil.copytree(char_prepared, folder)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    with pytest.raises(UserError, match=rf"^{re.escape(str(folder))} holds other shards \(shakespeare_char_train_000000"
+                                        r"\.bin, shakespeare_char_val_000000\.bin\), which train.py would read"):
+        shakespeare.main(["--out_dir", str(folder)])
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+    shakespeare_char.main(["--out_dir", str(folder)])  # its own shards it replaces
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+
+
+def test_a_character_vocabulary_past_uint16_is_written_as_uint32(tmp_path):
+    """A text of 70,000 distinct characters: version 2 shards (an OverflowError in a uint16 array before)."""
+    text = "".join(map(chr, range(0x10000, 0x10000 + 70_000)))  # past the Basic Multilingual Plane: each once
+    (tmp_path / "many.txt").write_text(text * 2, encoding="utf-8")
+    shakespeare_char.main(["--input", str(tmp_path / "many.txt"), "--out_dir", str(tmp_path / "out")])
+    (train,) = split_tokens(tmp_path / "out", "train")
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["vocab_size"] == 70_000 and train.max() >= 2**16
+    assert "".join(meta["chars"][i] for i in train[:70_000]) == text
+
+
 def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     line = assert_user_error(run_script("data/shakespeare_char/prepare.py", "--input", str(tmp_path / "nope.txt")))
     assert "nope.txt" in line
@@ -145,6 +171,13 @@ def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--input"):
         shakespeare.read_text()
     assert not os.path.exists(tmp_path / "input.txt")
+    # each of these a traceback before: a text not in UTF-8, an --out_dir that is a file
+    (tmp_path / "latin.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    with pytest.raises(UserError, match=r"latin.txt: not UTF-8 text; convert it first \(iconv"):
+        shakespeare_char.main(["--input", str(tmp_path / "latin.txt"), "--out_dir", str(tmp_path / "out")])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match=rf"^cannot make --out_dir {re.escape(str(tmp_path / 'afile'))} \(File exists\)"):
+        shakespeare_char.main(["--input", TEXT_PATH, "--out_dir", str(tmp_path / "afile")])
 
 
 def test_shakespeare_prepare_on_a_full_disk_leaves_no_partial_shard_and_a_rerun_completes(tmp_path, char_prepared):
@@ -358,10 +391,11 @@ def test_loader_errors(dataset, tmp_path):
     assert_one_line(error, dataset / "meta.json", 2300, 2299)
     assert meta["vocab_size"] == 2300
     check_vocab(dataset, meta, 2300)  # fits: no error
-    (dataset / "meta.json").write_text("{not json")
-    with pytest.raises(UserError) as error:
-        load_meta(dataset)
-    assert_one_line(error, dataset / "meta.json")
+    for text in ("{not json", "[1, 2]", '{"tokenizer": "char"}', '{"tokenizer": "char", "vocab_size": "65"}'):
+        (dataset / "meta.json").write_text(text)  # the last three: a TypeError or KeyError where they were read
+        with pytest.raises(UserError) as error:
+            load_meta(dataset)
+        assert_one_line(error, dataset / "meta.json", "not a dataset's meta.json")
 
 
 def hinted_command(error):

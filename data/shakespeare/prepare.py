@@ -6,6 +6,7 @@ The text ships in this folder (input.txt, public domain); if it is missing it is
 """
 
 import argparse
+import glob
 import os
 import sys
 import urllib.request
@@ -29,8 +30,11 @@ def read_text(path=None):
     if path is not None:
         if not os.path.isfile(path):
             raise UserError(f"--input {path}: no such file")
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError:
+            raise UserError(f"--input {path}: not UTF-8 text; convert it first (iconv -f latin1 -t utf-8)") from None
     if not os.path.isfile(TEXT):
         print(f"{TEXT} is missing, downloading {URL}")
         try:
@@ -50,10 +54,20 @@ def split_text(text):
 
 
 def write_splits(text, tokenizer, out_dir, name):
-    """The train and val parts of text, tokenized, as one shard each (name_train_000000.bin, ...), and meta.json."""
-    os.makedirs(out_dir, exist_ok=True)
+    """The train and val parts of text, tokenized, as one shard each (name_train_000000.bin, ...), and meta.json,
+    in out_dir, which holds no other shards: train.py would read them with these (another tokenizer's, say)."""
+    ours = {os.path.join(out_dir, f"{name}_{split}_000000.bin") for split in ("train", "val")}
+    shards = glob.glob(os.path.join(out_dir, "*_train_*.bin")) + glob.glob(os.path.join(out_dir, "*_val_*.bin"))
+    others = sorted(set(shards) - ours)
+    if others:
+        raise UserError(f"{out_dir} holds other shards ({', '.join(map(os.path.basename, others[:3]))}), which "
+                        "train.py would read with these; prepare into another --out_dir, or remove them")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:  # a file there, or no permission
+        raise UserError(f"cannot make --out_dir {out_dir} ({e.strerror})") from None
     for split, part in zip(["train", "val"], split_text(text)):
-        tokens = np.array(tokenizer.encode(part), dtype=np.uint16)  # "<|endoftext|>" in the text is plain text
+        tokens = np.array(tokenizer.encode(part), dtype=np.uint32)  # "<|endoftext|>" in the text is plain text
         write_shard(os.path.join(out_dir, f"{name}_{split}_000000.bin"), tokens)
         print(f"{split}: {len(tokens):,} tokens")
     write_meta(out_dir, tokenizer.meta)
