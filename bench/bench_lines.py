@@ -6,6 +6,7 @@ repo file in sys.modules plus the script itself. Prints one row per command and 
     python bench/bench_lines.py            # trains into a temporary out_dir, then samples from it
 """
 
+import argparse
 import os
 import subprocess
 import sys
@@ -44,6 +45,7 @@ def imported_lines(argv, out_file):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = os.path.join(tmp, "out-small")
         runs = {"train": ["train.py", "config/small.py", f"--out_dir={out_dir}", "--max_iters=20",

@@ -106,3 +106,5 @@ if __name__ == "__main__":
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C while it measures (while it trains, train.main returns the stop instead)
+        sys.exit(130)

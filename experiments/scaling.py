@@ -144,4 +144,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: no traceback, and the shell's status for it
+        sys.exit(130)
