@@ -339,6 +339,27 @@ def test_fineweb_errors_are_one_line(tmp_path, fineweb):
         fineweb.main(["--data_files", str(tmp_path / "c.jsonl"), "--out_dir", str(tmp_path), "--text_field", "body"])
 
 
+def test_fineweb_reads_json_and_jsonl_together_and_refuses_a_folder_it_cannot_continue(tmp_path, fineweb):
+    """.json and .jsonl are one kind (datasets' json builder), which was refused as two. A folder holding shards but
+    no progress.json (a rerun with another --shard_size after removing it) kept the other run's shards beside the new
+    ones; a damaged progress.json was a traceback."""
+    write_corpus(tmp_path / "a.jsonl", ["one document"] * 60)
+    write_corpus(tmp_path / "b.json", ["another document"] * 60)
+    fineweb.main(["--data_files", str(tmp_path / "a.jsonl"), str(tmp_path / "b.json"), "--out_dir",
+                  str(tmp_path / "out"), "--shard_size", "100", "--num_workers", "1"])
+    assert len(split_tokens(tmp_path / "out", "train")) == 3  # 120 documents of 3 tokens (their end-of-text one too)
+    args = ["--data_files", str(tmp_path / "a.jsonl"), "--out_dir", str(tmp_path / "out"), "--num_workers", "1"]
+    for progress in ("{torn", '{"shards": 3}', None):
+        if progress is None:
+            os.remove(tmp_path / "out" / "progress.json")
+        else:
+            (tmp_path / "out" / "progress.json").write_text(progress)
+        before = {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")}
+        with pytest.raises(UserError, match="progress.json (is damaged|\\(another run's)"):
+            fineweb.main(args)
+        assert {name: (tmp_path / "out" / name).read_bytes() for name in os.listdir(tmp_path / "out")} == before
+
+
 # --- the loader's errors ---
 
 def assert_one_line(error, *words):

@@ -58,7 +58,7 @@ def local_files(patterns):
     if not files:
         raise UserError(f"--data_files {' '.join(patterns)}: no such files")
     kinds = {os.path.splitext(f)[1] for f in files}
-    if len(kinds) != 1 or not kinds <= BUILDERS.keys():
+    if len({BUILDERS.get(kind) for kind in kinds}) != 1 or not kinds <= BUILDERS.keys():  # .json with .jsonl is one
         raise UserError(f"--data_files must all be of one kind, .parquet, .json/.jsonl or .txt (got {', '.join(sorted(kinds))})")
     return files
 
@@ -117,9 +117,17 @@ def load_progress(out_dir, settings):
     """Where an earlier run stopped: shards written, documents used, tokens used of the next document."""
     path = os.path.join(out_dir, "progress.json")
     if not os.path.exists(path):
+        if glob.glob(os.path.join(out_dir, "*_train_*.bin")) or glob.glob(os.path.join(out_dir, "*_val_*.bin")):
+            raise UserError(f"{out_dir} holds shards but no progress.json (another run's, which train.py would read "
+                            "with these); prepare into another --out_dir, or remove them")
         return {"settings": settings, "shards": 0, "docs": 0, "offset": 0, "done": False}
-    with open(path) as f:
-        progress = json.load(f)
+    try:
+        with open(path) as f:
+            progress = json.load(f)
+        if not isinstance(progress, dict) or not {"settings", "shards", "docs", "offset", "done"} <= progress.keys():
+            raise ValueError  # edited by hand, or not this script's
+    except ValueError:
+        raise UserError(f"{path} is damaged; remove it and the folder's shards, and run again") from None
     if progress["settings"] != settings:
         raise UserError(f"{path}: an earlier run used other settings ({progress['settings']}); "
                         "rerun with those, or use another --out_dir")
@@ -187,3 +195,5 @@ if __name__ == "__main__":
         main()
     except UserError as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C: no traceback; the shards written so far are kept, and a rerun goes on
+        sys.exit(130)
