@@ -55,7 +55,10 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus.jsonl")
         n_docs = write_corpus(corpus, args.repeats)
-        results = [run(corpus, os.path.join(tmp, str(workers)), workers) for workers in (1, cores)]
+        # each timed twice, the faster kept: a process's first run pays a one-time start (~1.7 s on a 2-core VM),
+        # which timed once fell on the 1-process figure alone and inflated the speedup (8.8x at --repeats 1)
+        results = [max((run(corpus, os.path.join(tmp, f"{workers}-{i}"), workers) for i in range(2)),
+                       key=lambda result: result[1]) for workers in (1, cores)]
     print(f"corpus: {n_docs:,} documents, {results[0][0]:,} tokens ({args.repeats} x Tiny Shakespeare), {cores} cores")
     for workers, (_, speed, wall, cpu) in zip((1, cores), results):
         print(f"{workers:2d} process(es): {speed / 1e6:5.2f}M tokens/s   wall {wall:5.2f} s   CPU {cpu:5.2f} s")

@@ -82,6 +82,8 @@ def main():
     parser.add_argument("--shape", choices=SHAPES, default="gpt2", help="model shape (default: gpt2)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each step, best kept (default: 3)")
     args = parser.parse_args()
+    if args.repeats < 1:  # else no run is timed: inf ms and a ratio of nan
+        parser.error("--repeats must be at least 1")
     torch.manual_seed(0)
     model = GPT(GPTConfig(**SHAPES[args.shape])).eval()
     from bench.bench_train import machine  # the machine line every figure in this repo carries

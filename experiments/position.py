@@ -128,6 +128,8 @@ def main(argv=None):
     parser.add_argument("--batch_size", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.batch_size < 1:  # else a RuntimeError of an empty batch
+        parser.error("--batch_size must be at least 1")
 
     trained, idx = model_and_val_batch(args.out_dir, args.text, args.batch_size)
     torch.manual_seed(args.seed)

@@ -134,6 +134,8 @@ def main(argv=None):
     parser.add_argument("--T", type=int, default=128, help="queries and keys per random matrix for (a)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if min(args.batch_size, args.n, args.T) < 1:  # else a table of nan, or an empty batch's RuntimeError
+        parser.error("--batch_size, --n and --T must be at least 1")
 
     model, idx = model_and_val_batch(args.out_dir, args.text, args.batch_size)
 

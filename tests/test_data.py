@@ -175,6 +175,10 @@ def test_shakespeare_errors_are_one_line(tmp_path, monkeypatch):
     (tmp_path / "latin.txt").write_bytes("caf\u00e9".encode("latin-1"))
     with pytest.raises(UserError, match=r"latin.txt: not UTF-8 text; convert it first \(iconv"):
         shakespeare_char.main(["--input", str(tmp_path / "latin.txt"), "--out_dir", str(tmp_path / "out")])
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match=r"^the text is empty: nothing to prepare; give a text file with --input$"):
+        shakespeare_char.main(["--input", str(tmp_path / "empty.txt"), "--out_dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
     (tmp_path / "afile").write_text("")
     with pytest.raises(UserError, match=rf"^cannot make --out_dir {re.escape(str(tmp_path / 'afile'))} \(File exists\)"):
         shakespeare_char.main(["--input", TEXT_PATH, "--out_dir", str(tmp_path / "afile")])

@@ -173,3 +173,12 @@ def test_missing_checkpoint_is_a_one_line_error(script, tmp_path):
         script.main([f"--out_dir={tmp_path}"])
     message = str(exit.value.code)
     assert message.startswith("error: no checkpoint at") and "\n" not in message
+
+
+@pytest.mark.parametrize("script, arg, message", [(position, "--batch_size=0", "--batch_size must be at least 1"),
+                                                  (scaling, "--n=0", "--batch_size, --n and --T must be at least 1")])
+def test_a_count_below_one_is_refused_before_any_work(script, arg, message, tmp_path, capsys):
+    """Before: an empty batch's RuntimeError (position.py), a table of nan with exit 0 (scaling.py)."""
+    with pytest.raises(SystemExit) as exit:
+        script.main([f"--out_dir={tmp_path}", arg])  # no checkpoint there: the count is checked first
+    assert exit.value.code == 2 and capsys.readouterr().err.strip().endswith(f"error: {message}")

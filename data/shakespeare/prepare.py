@@ -56,6 +56,8 @@ def split_text(text):
 def write_splits(text, tokenizer, out_dir, name):
     """The train and val parts of text, tokenized, as one shard each (name_train_000000.bin, ...), and meta.json,
     in out_dir, which holds no other shards: train.py would read them with these (another tokenizer's, say)."""
+    if not text:  # else 0 tokens and a vocabulary of 0, refused only by train.py, and as too short for block_size
+        raise UserError("the text is empty: nothing to prepare; give a text file with --input")
     ours = {os.path.join(out_dir, f"{name}_{split}_000000.bin") for split in ("train", "val")}
     shards = glob.glob(os.path.join(out_dir, "*_train_*.bin")) + glob.glob(os.path.join(out_dir, "*_val_*.bin"))
     others = sorted(set(shards) - ours)
