@@ -20,6 +20,7 @@ layer's weights times v must equal what the call returned, or the command refuse
 """
 
 import math
+import os
 import sys
 
 import torch
@@ -156,6 +157,10 @@ def draw(weights, layers, heads, group, labels, path):
 
 def main(argv):
     settings = configure(DEFAULTS, argv)
+    for key in ("out", "json"):  # else found once the maps are drawn (the picture written before the JSON failed)
+        folder = os.path.dirname(os.path.abspath(settings[key]))
+        if settings[key] and not os.path.isdir(folder):
+            raise UserError(f"--{key} {settings[key]}: there is no folder {folder} to write it in")
     prompt = read_prompt(settings["prompt"])
     device = resolve_device(settings["device"])
     from gpt.machine import SharedCpu

@@ -138,6 +138,9 @@ def run_tasks(settings, model, tokenizer):
 
 
 def check_settings(settings):
+    folder = os.path.dirname(os.path.abspath(settings["out_json"]))
+    if settings["out_json"] and not os.path.isdir(folder):  # else found once the work is done
+        raise UserError(f"--out_json {settings['out_json']}: there is no folder {folder} to write it in")
     for key in ("max_tokens", "batch_size"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise UserError(f"{key} must be a positive integer, got {settings[key]!r}")

@@ -199,6 +199,7 @@ def test_command_writes_the_picture_and_the_statistics(checkpoint_dir, tmp_path,
     (["--heads=0,4"], "--heads '0,4': the model has 4 heads"),
     (["--prompt="], "the prompt is empty"),
     ([f"--prompt={TEXT * 2}"], "reads at most block_size=32"),
+    (["--json=/nonexistent/stats.json"], "--json /nonexistent/stats.json: there is no folder /nonexistent to write"),
 ])
 def test_bad_input_is_a_one_line_error(checkpoint_dir, tmp_path, args, needle):
     with pytest.raises(UserError) as error:

@@ -177,6 +177,7 @@ BAD_INPUT = [
     (["--out_dir=out", "--text=empty.txt"], "--text empty.txt is empty"),
     (["--out_dir=out", "--tasks=hellaswag", "--limit=0"], "limit must be a positive"),
     (["--out_dir=out", "--stride=-1"], "stride must be"),
+    (["--out_dir=out", "--out_json=/nonexistent/x.json"], "--out_json /nonexistent/x.json: there is no folder"),
     (["--out_dir=out", "--stride=33"], "stride must be at most the model's block_size (32), got 33"),  # a traceback
     (["--init_from=hf:nowhere"], "nowhere"),
 ]
