@@ -2,6 +2,7 @@
 gpt/shards.py reads."""
 
 import contextlib
+import glob
 import json
 import os
 
@@ -21,6 +22,12 @@ def dataset_file(path):
     except OSError as e:
         raise UserError(f"could not write {path} ({e.strerror or e}); no partial file was left: "
                         "fix that and run the same command again") from None
+
+
+def shards_in(folder):
+    """The shards train.py would read from folder, of either split (gpt/shards.py's `*_<split>_*.bin`): a prepare
+    writing there must find none but its own, or they would be read together."""
+    return sorted(glob.glob(os.path.join(folder, "*_train_*.bin")) + glob.glob(os.path.join(folder, "*_val_*.bin")))
 
 
 def write_shard(path, tokens):

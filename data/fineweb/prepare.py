@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from gpt import UserError
-from gpt.prepare import dataset_file, write_meta, write_shard
+from gpt.prepare import dataset_file, shards_in, write_meta, write_shard
 from gpt.bpe import GPT2_META
 from gpt.tokenizer import Tokenizer
 
@@ -117,7 +117,7 @@ def load_progress(out_dir, settings):
     """Where an earlier run stopped: shards written, documents used, tokens used of the next document."""
     path = os.path.join(out_dir, "progress.json")
     if not os.path.exists(path):
-        if glob.glob(os.path.join(out_dir, "*_train_*.bin")) or glob.glob(os.path.join(out_dir, "*_val_*.bin")):
+        if shards_in(out_dir):
             raise UserError(f"{out_dir} holds shards but no progress.json (another run's, which train.py would read "
                             "with these); prepare into another --out_dir, or remove them")
         return {"settings": settings, "shards": 0, "docs": 0, "offset": 0, "done": False}

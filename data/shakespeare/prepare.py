@@ -6,7 +6,6 @@ The text ships in this folder (input.txt, public domain); if it is missing it is
 """
 
 import argparse
-import glob
 import os
 import sys
 import urllib.request
@@ -15,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # run as a script: make `data` importable
 from gpt import UserError
-from gpt.prepare import dataset_file, write_meta, write_shard
+from gpt.prepare import dataset_file, shards_in, write_meta, write_shard
 from gpt.bpe import GPT2_META
 from gpt.tokenizer import Tokenizer
 
@@ -59,8 +58,7 @@ def write_splits(text, tokenizer, out_dir, name):
     if not text:  # else 0 tokens and a vocabulary of 0, refused only by train.py, and as too short for block_size
         raise UserError("the text is empty: nothing to prepare; give a text file with --input")
     ours = {os.path.join(out_dir, f"{name}_{split}_000000.bin") for split in ("train", "val")}
-    shards = glob.glob(os.path.join(out_dir, "*_train_*.bin")) + glob.glob(os.path.join(out_dir, "*_val_*.bin"))
-    others = sorted(set(shards) - ours)
+    others = sorted(set(shards_in(out_dir)) - ours)
     if others:
         raise UserError(f"{out_dir} holds other shards ({', '.join(map(os.path.basename, others[:3]))}), which "
                         "train.py would read with these; prepare into another --out_dir, or remove them")
