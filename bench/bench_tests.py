@@ -1,7 +1,8 @@
 """
 How long the test suite takes, and where the time goes: runs `python -m pytest` (the whole suite, or the files and
 options given) in a fresh process, then prints the wall time, the seconds of each file and the slowest tests, each
-test's set-up (its fixtures' share) and tear-down included. Speed is measured here, never asserted in a test.
+test's set-up (its fixtures' share) and tear-down included; and the CPU seconds the suite used, in all, by file, by
+test. Speed is measured here, never asserted in a test.
 
     python bench/bench_tests.py                                  # the whole suite, as README's command runs it
     python bench/bench_tests.py tests/test_invariants.py         # the fast check
@@ -10,7 +11,10 @@ test's set-up (its fixtures' share) and tear-down included. Speed is measured he
 
 Run it on a quiet machine: the figures are wall-clock seconds, and another job on the same cores moves them. The whole
 suite runs its files side by side, a process per core (pytest.ini's -n auto): a test's seconds then include the
-other processes' share of the cores; -n0 gives each test's own.
+other processes' share of the cores; -n0 gives each test's own. The CPU seconds are the work itself, whatever else ran
+beside: a test's own process's, and those of the processes it started and waited for; a process still running when
+its test ends (inductor's compile workers, a fixture's background run) counts in the total only, or for the test that
+waits for it.
 """
 
 import argparse
@@ -18,17 +22,42 @@ import collections
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from gpt.cpuinfo import cpu_flags, cpuinfo_field  # noqa: E402
 
 LIMIT_S = 15.0  # no test, its set-up included, should take longer (issue 56)
+CPU_LOG_ENV = "BENCH_TESTS_CPU_LOG"  # where each pytest process that runs tests appends [test id, CPU seconds] lines
+
+
+def cpu_seconds(who=resource.RUSAGE_SELF):
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+def own_and_waited_cpu_seconds():
+    return cpu_seconds() + cpu_seconds(resource.RUSAGE_CHILDREN)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A pytest hook (this file is loaded as a plugin in each pytest process, `-p bench.bench_tests`): the CPU seconds
+    of each test, its set-up and tear-down included, in the process that runs it (not pytest-xdist's controller)."""
+    start = own_and_waited_cpu_seconds()
+    result = yield
+    if os.environ.get(CPU_LOG_ENV):
+        with open(os.environ[CPU_LOG_ENV], "a") as f:
+            f.write(json.dumps([item.nodeid, round(own_and_waited_cpu_seconds() - start, 3)]) + "\n")
+    return result
 
 
 def machine():
@@ -43,24 +72,31 @@ def machine():
 
 def run_suite(pytest_args, log_path):
     """Run pytest with a JUnit report; return (wall seconds, exit code, {test id: seconds}, its last output line, the
-    processes that ran the tests: pytest-xdist's workers, else 1; None under -q, where xdist does not say)."""
+    processes that ran the tests: pytest-xdist's workers, else 1; None under -q, where xdist does not say; the CPU
+    seconds of the run and all its processes; {test id: CPU seconds})."""
     with tempfile.TemporaryDirectory() as tmp:
-        report = os.path.join(tmp, "report.xml")
-        start = time.perf_counter()
+        report, cpu_log = os.path.join(tmp, "report.xml"), os.path.join(tmp, "cpu.jsonl")
+        start, cpu_start = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
         with open(log_path, "w") as log:
-            code = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}",
-                                    *pytest_args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        wall = time.perf_counter() - start
+            code = subprocess.call([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "bench.bench_tests",
+                                    f"--junitxml={report}", *pytest_args], cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT, env=dict(os.environ, **{CPU_LOG_ENV: cpu_log}))
+        wall, cpu = time.perf_counter() - start, cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_start
         tests = {}  # junit's time is set-up + call + tear-down (pytest's junit_duration_report=total)
         if os.path.exists(report):
             for case in ElementTree.parse(report).getroot().iter("testcase"):
                 path = case.get("classname").replace(".", "/") + ".py"
                 tests[f"{path}::{case.get('name')}"] = float(case.get("time"))
+        tests_cpu = {}
+        if os.path.exists(cpu_log):
+            with open(cpu_log) as f:
+                tests_cpu = dict(json.loads(line) for line in f)
     with open(log_path) as log:
         lines = [line.strip() for line in log if line.strip()]
     workers = [int(m.group(1)) for m in map(re.compile(r"created: (\d+)/\d+ workers").match, lines) if m]
     quiet = any(arg.startswith("-q") or arg == "--quiet" for arg in pytest_args)  # xdist then says nothing
-    return wall, code, tests, lines[-1].strip("= ") if lines else "", workers[0] if workers else None if quiet else 1
+    return (wall, code, tests, lines[-1].strip("= ") if lines else "", workers[0] if workers else None if quiet else 1,
+            cpu, tests_cpu)
 
 
 def by_file(tests):
@@ -72,15 +108,18 @@ def by_file(tests):
 
 def print_tables(result, before, slowest):
     before_files = by_file(before["tests"]) if before else {}
+    cpu_files = by_file(result["tests_cpu"])
     column = lambda seconds: f"{seconds:9.1f}" if seconds is not None else "        -"  # noqa: E731
-    print(f"\n{'file':40s} {'seconds':>9s} {'tests':>6s}" + (f" {'before':>9s}" if before else ""))
+    print(f"\n{'file':40s} {'seconds':>9s} {'CPU s':>9s} {'tests':>6s}" + (f" {'before':>9s}" if before else ""))
     for path, (seconds, count) in sorted(by_file(result["tests"]).items(), key=lambda item: -item[1][0]):
         previous = before_files.get(path, (None,))[0]
-        print(f"{path:40s} {seconds:9.1f} {count:6d}" + (f" {column(previous)}" if before else ""))
-    print(f"\nthe {slowest} slowest tests (set-up included)" + (", and before" if before else ""))
+        print(f"{path:40s} {seconds:9.1f} {column(cpu_files.get(path, (None,))[0])} {count:6d}"
+              + (f" {column(previous)}" if before else ""))
+    print(f"\nthe {slowest} slowest tests (set-up included), their CPU seconds" + (", and before" if before else ""))
     for test, seconds in sorted(result["tests"].items(), key=lambda item: -item[1])[:slowest]:
         mark = "  OVER 15 s" if seconds > LIMIT_S else ""
-        print(f"{seconds:7.1f}" + (f" {column(before['tests'].get(test))}" if before else "") + f"  {test}{mark}")
+        print(f"{seconds:7.1f} {column(result['tests_cpu'].get(test))}"
+              + (f" {column(before['tests'].get(test))}" if before else "") + f"  {test}{mark}")
 
 
 def main():
@@ -97,13 +136,16 @@ def main():
         before = json.load(open(args.before)) if args.before else None
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot read --before {args.before} ({e}); give a file that --save wrote")
-    wall, code, tests, last_line, processes = run_suite(args.pytest_args, args.log)
+    wall, code, tests, last_line, processes, cpu, tests_cpu = run_suite(args.pytest_args, args.log)
     result = dict(machine=machine(), command=" ".join(["python -m pytest", *args.pytest_args]), wall_s=round(wall, 1),
-                  exit_code=code, summary=last_line, processes=processes, tests=tests)
+                  exit_code=code, summary=last_line, processes=processes, cpu_s=round(cpu, 1), tests=tests,
+                  tests_cpu=tests_cpu)
     side_by_side = {None: "processes not known under -q", 1: "one process"}.get(processes,
                                                                              f"{processes} processes side by side")
     print(f"{result['command']} ({side_by_side}): {wall:.1f} s wall ({wall / 60:.1f} min), exit {code}: {last_line}")
     print(f"machine: {result['machine']}")
+    print(f"CPU: {cpu:.0f} s, all its processes together ({cpu / wall:.2f} cores kept busy on average); "
+          f"{sum(tests_cpu.values()):.0f} s of it counted in the tests' processes and those they waited for")
     if before:
         print(f"before: {before['wall_s']:.1f} s wall ({before['wall_s'] / 60:.1f} min) on {before['machine']}")
     print_tables(result, before, args.slowest)
