@@ -1,4 +1,5 @@
 import atexit
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -91,15 +92,25 @@ NO_FAKE_CUDA = ("faked CUDA needs a CPU-only torch; this one is built with "
                 + " (bench/gpu_check.py tests the GPU paths on the GPU)") if torch.backends.cuda.is_built() else None
 
 
-@pytest.fixture
-def mps_present(monkeypatch):
+@contextlib.contextmanager
+def faked_mps():
     """A Mac's answer that its MPS device is there, faked at torch's C boundary (torch._C._mps_is_available), so that
     --device=mps gets past resolve_device to what a test checks next. torch keeps its first answer: cleared around."""
-    monkeypatch.setattr(torch._C, "_mps_is_available", lambda: True)
+    mps_is_available = torch._C._mps_is_available
+    torch._C._mps_is_available = lambda: True
     torch.backends.mps.is_available.cache_clear()
-    yield
-    monkeypatch.undo()
-    torch.backends.mps.is_available.cache_clear()
+    try:
+        yield
+    finally:
+        torch._C._mps_is_available = mps_is_available
+        torch.backends.mps.is_available.cache_clear()
+
+
+@pytest.fixture
+def mps_present():
+    """faked_mps around a test."""
+    with faked_mps():
+        yield
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ import train
 from gpt import UserError
 from gpt.parallel import (by_index, by_name, check_fsdp, checkpoint_blocks, compile_blocks, full_model_state,
                           full_optimizer_states, load_optimizer_states, shard, start_processes, wrap_ddp)
+from conftest import faked_mps
 from model import GPT, GPTConfig
 from test_train import workdir  # noqa: F401
 from test_train import (TINY, TRAIN, TWO_PROCESSES, assert_one_line_error, in_background, in_dir, load_ckpt, records,
@@ -761,14 +762,8 @@ def on_mps_under_torchrun(workdir, out_dir):
     """The world's job for the test below: `torchrun ... train.py --device=mps`, as run_script runs it in this
     process: its exit status and stderr."""
     args = [a for a in TINY if not a.startswith("--device")] + ["--device=mps", f"--out_dir={out_dir}"]
-    mps_is_available = torch._C._mps_is_available
-    torch._C._mps_is_available = lambda: True  # as on a Mac: else resolve_device says there is no MPS device first
-    torch.backends.mps.is_available.cache_clear()  # (torch keeps its first answer)
-    try:
+    with faked_mps():  # as on a Mac: else resolve_device says there is no MPS device first
         result = run_script(TRAIN, args, workdir)
-    finally:
-        torch._C._mps_is_available = mps_is_available
-        torch.backends.mps.is_available.cache_clear()
     return f"{result.returncode}\n{result.stderr}"
 
 
