@@ -54,7 +54,8 @@ A lease of 15 minutes holds the training rows or the decoding rows, not both: --
 (with --iters=20 it reached every row but draft in 540 s; add lookup to the list to reach draft).
 
 Everything goes to out-gpu-check/gpu_check_<device>.json (after every row, so a run cut short keeps what it did) and
-every command's output to a log file; on a CPU the output, the summary and the file say that these are not GPU figures.
+every command's output to log.txt in a folder beside it (gpu_check_<random>/, the run's work); on a CPU the output,
+the summary and the file say that these are not GPU figures.
 The exit status is 1 if any row failed.
 """
 
@@ -970,19 +971,25 @@ def main():
                         "(default 1800; a hung NCCL collective would otherwise never end)")
     parser.add_argument("--jobs", default="1", help="rows run at once, with --tiny only (default 1): rows side by "
                         "side share the machine, and their figures mean nothing (a quick check of the paths, as CI's)")
-    parser.add_argument("--out", default="", help="the JSON file (default out-gpu-check/gpu_check_<device>.json)")
+    parser.add_argument("--out", default="", help="the JSON file (default out-gpu-check/gpu_check_<device>.json); the "
+                        "commands' output goes to a folder beside it")
     args = parser.parse_args()
     skip = row_names(args.skip)
     jobs = jobs_option(args.jobs, args.tiny)
     setup = device_setup(args.device)
     iters = positive_ints(args.iters or ("12" if args.tiny else "50"), "--iters")
     batch = positive_ints(args.batch_size or ("4" if args.tiny else "16"), "--batch_size")
+    memory_batches = positive_ints(args.memory_batches or ("8" if args.tiny else "16,32,64"), "--memory_batches",
+                                   many=True)
+    timeout = positive_ints(args.timeout, "--timeout")
     block_size = 64 if args.tiny else 1024
-    work = tempfile.mkdtemp(prefix="gpu_check_")
+    card = re.sub(r"\W+", "_", setup["name"].split(" (")[0]).strip("_").lower()
+    out = args.out or os.path.join(ROOT, "out-gpu-check", f"gpu_check_{card}.json")  # not into the repo's bench/
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_check_", dir=os.path.dirname(os.path.abspath(out)))  # the log: beside it
     ctx = SimpleNamespace(
         args=args, device=args.device, cuda=setup["kind"] == "cuda", **setup, batch=batch,
-        memory_batches=positive_ints(args.memory_batches or ("8" if args.tiny else "16,32,64"), "--memory_batches",
-                                     many=True),
+        memory_batches=memory_batches,
         # one global batch for every training row: the ddp row's processes x batch_size sequences, so that one
         # process (with as many micro-steps) trains on the same data
         global_tokens=setup["processes"] * batch * block_size, micro_steps=setup["processes"],
@@ -990,11 +997,8 @@ def main():
                 f"--max_iters={iters}", f"--eval_interval={iters}", "--eval_iters=2", "--log_interval=1",
                 "--warmup_iters=5", "--dropout=0.0", "--overwrite=True"],
         iters=iters, python=sys.executable, work=work, log=os.path.join(work, "log.txt"),
-        timeout=positive_ints(args.timeout, "--timeout"), results={}, commands=[],
+        timeout=timeout, results={}, commands=[],
         texts={})  # sample.py's texts by their settings: see greedy_text
-    card = re.sub(r"\W+", "_", ctx.name.split(" (")[0]).strip("_").lower()
-    out = args.out or os.path.join(ROOT, "out-gpu-check", f"gpu_check_{card}.json")  # not into the repo's bench/
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     report = dict(device=ctx.name, capability=ctx.capability, gpu=ctx.cuda, torch=torch.__version__,
                   cuda=torch.version.cuda, python=platform.python_version(), tiny=args.tiny, iters=iters,
                   batch_size=batch, processes=ctx.processes, jobs=jobs, rows=ctx.results, log=ctx.log)

@@ -539,7 +539,7 @@ def test_a_training_run_that_warns_says_so_in_its_row(tmp_path):
     assert gpu_check.speed(warned) == gpu_check.speed(quiet) + f"; 1 warning(s), first: {warning[:120]}"
 
 
-def test_bad_input_is_one_line():
+def test_bad_input_is_one_line(monkeypatch, tmp_path):
     result = subprocess.run([sys.executable, SCRIPT, "--tiny", "--device=gpu"], capture_output=True, text=True)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr == "error: --device must be auto, cpu, cuda or cuda:N, got 'gpu'\n"
@@ -557,6 +557,13 @@ def test_bad_input_is_one_line():
         with pytest.raises(SystemExit) as exit:
             call()
         assert str(exit.value.code).startswith(message) and "\n" not in str(exit.value.code)
+    # the last setting read is refused before the run makes its folders: nothing written
+    out = tmp_path / "out" / "check.json"
+    monkeypatch.setattr(sys, "argv", [SCRIPT, "--tiny", "--device=cpu", "--timeout=0", f"--out={out}"])
+    with pytest.raises(SystemExit) as exit:
+        gpu_check.main()
+    assert exit.value.code == "error: --timeout must be a positive integer, got '0'"
+    assert not out.parent.exists()
 
 
 @pytest.mark.parametrize("has_xdist", [True, False])
@@ -792,7 +799,7 @@ def test_the_figures_are_sane(checks):
     assert math.isfinite(rows["draft"]["draft_final_loss"])
 
 
-def test_each_row_ran_the_command_a_user_would(checks):
+def test_each_row_ran_the_command_a_user_would(runs, checks):
     rows = merged(checks)
     commands = [c for row in rows.values() for c in row["commands"] if any(script in c for script in SCRIPTS)]
     # training 6, resume 2 (LEFT_OUT: not its ddp and fsdp runs), memory 2, eval 1 (+ 1 with lm-eval), int8 2 (not
@@ -817,6 +824,8 @@ def test_each_row_ran_the_command_a_user_would(checks):
     assert "--draft=" not in rows["draft"]["commands"][2] and rows["draft"]["commands"][2].endswith("--compile=False")
     # side by side, each row's commands are in each run's log together, under its own header
     for group, check in checks.items():
+        # the run's work folder, its log in it, lies beside its JSON (--out), here a test's folder: not /tmp
+        assert os.path.dirname(os.path.dirname(check.figures["log"])) == str(runs.path(group, "json").parent)
         with open(check.figures["log"]) as f:
             blocks = dict(re.findall(r"===== row (\w+) =====\n(.*?)(?=\n===== row |\Z)", f.read(), re.S))
         assert sorted(blocks) == sorted(ROWS), group
