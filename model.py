@@ -367,9 +367,12 @@ class GPT(nn.Module):
         from gpt.sampling import sample_next_token  # choosing a token from logits (temperature, top-k, top-p)
         kv_cache = self.new_kv_cache(B, T + max_new_tokens - 1)  # the last token sampled is never fed back
         tokens = [idx]
-        for _ in range(max_new_tokens):
+        for step in range(1, max_new_tokens + 1):
             logits = last_logits(self, tokens[-1], kv_cache)  # (B, vocab_size)
             tokens.append(sample_next_token(logits, temperature, top_k, top_p, generator))  # (B, 1)
+            if (tokens[-1] == logits.size(-1)).any():  # sampling's V, no token: a row of NaN or inf logits
+                raise RuntimeError(f"generate: the logits for new token {step} hold NaN or inf (broken weights, an edit "
+                                   "of model.py, or 16-bit overflow: try float32)")
         return torch.cat(tokens, dim=1)
 
     def num_params(self):  # the tied embedding and output head counted once

@@ -351,6 +351,23 @@ def test_generate_uses_the_output_head_only_for_the_last_position(device):
     assert rows_seen == [2] * 5  # batch of 2, one position per step, the 10-token prefill included
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_stops_in_one_line_at_logits_of_nan(temperature, device):
+    """A row of NaN logits (broken weights, an edit of model.py) gives no token (sampling's V): generate says so at that
+    step, rather than an IndexError at the next (V fed back), or V among its tokens when it was the last step."""
+    model, calls = tiny_model().to(device), []
+
+    def nan_at_the_third_step(module, args, out):
+        calls.append(out)
+        return torch.full_like(out, float("nan")) if len(calls) == 3 else out
+    model.lm_head.register_forward_hook(nan_at_the_third_step)
+    for max_new_tokens in (5, 3):
+        calls.clear()
+        with pytest.raises(RuntimeError, match=r"^generate: the logits for new token 3 hold NaN or inf \(") as error:
+            model.generate(torch.randint(0, 97, (2, 4), device=device), max_new_tokens, temperature=temperature)
+        assert "\n" not in str(error.value) and len(calls) == 3
+
+
 def test_sampling_is_reproducible_with_a_generator(device):
     model = tiny_model().to(device)
     prompt = torch.randint(0, 97, (2, 5), device=device)
