@@ -985,8 +985,9 @@ def main():
     block_size = 64 if args.tiny else 1024
     card = re.sub(r"\W+", "_", setup["name"].split(" (")[0]).strip("_").lower()
     out = args.out or os.path.join(ROOT, "out-gpu-check", f"gpu_check_{card}.json")  # not into the repo's bench/
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    work = tempfile.mkdtemp(prefix="gpu_check_", dir=os.path.dirname(os.path.abspath(out)))  # the log: beside it
+    folder = os.path.dirname(os.path.abspath(out))
+    os.makedirs(folder, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="gpu_check_", dir=folder)  # the commands' log and runs: beside the figures
     ctx = SimpleNamespace(
         args=args, device=args.device, cuda=setup["kind"] == "cuda", **setup, batch=batch,
         memory_batches=memory_batches,
