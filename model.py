@@ -371,8 +371,8 @@ class GPT(nn.Module):
             logits = last_logits(self, tokens[-1], kv_cache)  # (B, vocab_size)
             tokens.append(sample_next_token(logits, temperature, top_k, top_p, generator))  # (B, 1)
             if (tokens[-1] == logits.size(-1)).any():  # sampling's V, no token: a row of NaN or inf logits
-                raise RuntimeError(f"generate: the logits for new token {step} hold NaN or inf (broken weights, an edit "
-                                   "of model.py, or 16-bit overflow: try float32)")
+                raise RuntimeError(f"generate: the logits for new token {step} hold NaN or inf (broken weights, an "
+                                   "edit of model.py, or 16-bit overflow: try float32)")
         return torch.cat(tokens, dim=1)
 
     def num_params(self):  # the tied embedding and output head counted once
