@@ -1,8 +1,9 @@
 """
 How long the test suite takes, and where the time goes: runs `python -m pytest` (the whole suite, or the files and
 options given) in a fresh process, then prints the wall time, the seconds of each file and the slowest tests, each
-test's set-up (its fixtures' share) and tear-down included; and the CPU seconds the suite used, in all, by file, by
-test. Speed is measured here, never asserted in a test.
+test's set-up (its fixtures' share) and tear-down included; the CPU seconds the suite used, in all, by file, by
+test; and beside each test over 15 s, the files whose tests ran while it did (what shared the cores). Speed is
+measured here, never asserted in a test.
 
     python bench/bench_tests.py                                  # the whole suite, as README's command runs it
     python bench/bench_tests.py tests/test_invariants.py         # the fast check
@@ -36,7 +37,7 @@ sys.path.insert(0, ROOT)
 from gpt.cpuinfo import cpu_flags, cpuinfo_field  # noqa: E402
 
 LIMIT_S = 15.0  # no test, its set-up included, should take longer (issue 56)
-CPU_LOG_ENV = "BENCH_TESTS_CPU_LOG"  # where each pytest process that runs tests appends [test id, CPU seconds] lines
+CPU_LOG_ENV = "BENCH_TESTS_CPU_LOG"  # where each pytest process that runs tests appends a line per test (its CPU, when)
 
 
 def cpu_seconds(who=resource.RUSAGE_SELF):
@@ -52,12 +53,24 @@ def own_and_waited_cpu_seconds():
 def pytest_runtest_protocol(item, nextitem):
     """A pytest hook (this file is loaded as a plugin in each pytest process, `-p bench.bench_tests`): the CPU seconds
     of each test, its set-up and tear-down included, in the process that runs it (not pytest-xdist's controller)."""
-    start = own_and_waited_cpu_seconds()
+    start, started = own_and_waited_cpu_seconds(), time.time()
     result = yield
     if os.environ.get(CPU_LOG_ENV):
-        with open(os.environ[CPU_LOG_ENV], "a") as f:
-            f.write(json.dumps([item.nodeid, round(own_and_waited_cpu_seconds() - start, 3)]) + "\n")
+        with open(os.environ[CPU_LOG_ENV], "a") as f:  # [test id, CPU seconds, [start, end]]
+            f.write(json.dumps([item.nodeid, round(own_and_waited_cpu_seconds() - start, 3), [started, time.time()]])
+                    + "\n")
     return result
+
+
+def beside(spans, test):
+    """{file: seconds}: how long each file's tests ran while test ran (spans: {test id: [start, end]}; those of its own
+    process ran before or after it), longest first: what shared the cores with it."""
+    start, end = spans[test]
+    overlap = collections.Counter()
+    for other, (other_start, other_end) in spans.items():
+        if other != test:
+            overlap[other.split("::")[0]] += max(0.0, min(end, other_end) - max(start, other_start))
+    return {path: seconds for path, seconds in overlap.most_common() if seconds > 0}
 
 
 def machine():
@@ -71,9 +84,10 @@ def machine():
 
 
 def run_suite(pytest_args, log_path):
-    """Run pytest with a JUnit report; return (wall seconds, exit code, {test id: seconds}, its last output line, the
-    processes that ran the tests: pytest-xdist's workers, else 1; None under -q, where xdist does not say; the CPU
-    seconds of the run and all its processes; {test id: CPU seconds})."""
+    """Run pytest with a JUnit report; return its figures: wall_s, exit_code, tests ({test id: seconds}), summary (its
+    last output line), processes (that ran the tests: pytest-xdist's workers, else 1; None under -q, where xdist does
+    not say), cpu_s (the run's and all its processes'), tests_cpu ({test id: CPU seconds}) and spans ({test id: [start,
+    end]}, in seconds since the epoch)."""
     with tempfile.TemporaryDirectory() as tmp:
         report, cpu_log = os.path.join(tmp, "report.xml"), os.path.join(tmp, "cpu.jsonl")
         start, cpu_start = time.perf_counter(), cpu_seconds(resource.RUSAGE_CHILDREN)
@@ -87,16 +101,18 @@ def run_suite(pytest_args, log_path):
             for case in ElementTree.parse(report).getroot().iter("testcase"):
                 path = case.get("classname").replace(".", "/") + ".py"
                 tests[f"{path}::{case.get('name')}"] = float(case.get("time"))
-        tests_cpu = {}
+        tests_cpu, spans = {}, {}
         if os.path.exists(cpu_log):
             with open(cpu_log) as f:
-                tests_cpu = dict(json.loads(line) for line in f)
+                for test, cpu_s, span in map(json.loads, f):
+                    tests_cpu[test], spans[test] = cpu_s, span
     with open(log_path) as log:
         lines = [line.strip() for line in log if line.strip()]
     workers = [int(m.group(1)) for m in map(re.compile(r"created: (\d+)/\d+ workers").match, lines) if m]
     quiet = any(arg.startswith("-q") or arg == "--quiet" for arg in pytest_args)  # xdist then says nothing
-    return (wall, code, tests, lines[-1].strip("= ") if lines else "", workers[0] if workers else None if quiet else 1,
-            cpu, tests_cpu)
+    return dict(wall_s=round(wall, 1), exit_code=code, tests=tests, summary=lines[-1].strip("= ") if lines else "",
+                processes=workers[0] if workers else None if quiet else 1, cpu_s=round(cpu, 1), tests_cpu=tests_cpu,
+                spans=spans)
 
 
 def by_file(tests):
@@ -120,6 +136,10 @@ def print_tables(result, before, slowest):
         mark = "  OVER 15 s" if seconds > LIMIT_S else ""
         print(f"{seconds:7.1f} {column(result['tests_cpu'].get(test))}"
               + (f" {column(before['tests'].get(test))}" if before else "") + f"  {test}{mark}")
+        others = beside(result["spans"], test) if mark and test in result.get("spans", {}) else {}
+        if others:  # why it took so long: what shared the cores with it
+            print("                 beside it: " + ", ".join(f"{path} {overlap:.1f} s"
+                                                        for path, overlap in list(others.items())[:3]))
 
 
 def main():
@@ -136,20 +156,20 @@ def main():
         before = json.load(open(args.before)) if args.before else None
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot read --before {args.before} ({e}); give a file that --save wrote")
-    wall, code, tests, last_line, processes, cpu, tests_cpu = run_suite(args.pytest_args, args.log)
-    result = dict(machine=machine(), command=" ".join(["python -m pytest", *args.pytest_args]), wall_s=round(wall, 1),
-                  exit_code=code, summary=last_line, processes=processes, cpu_s=round(cpu, 1), tests=tests,
-                  tests_cpu=tests_cpu)
+    result = dict(machine=machine(), command=" ".join(["python -m pytest", *args.pytest_args]),
+                  **run_suite(args.pytest_args, args.log))
+    wall, cpu, processes = result["wall_s"], result["cpu_s"], result["processes"]
     side_by_side = {None: "processes not known under -q", 1: "one process"}.get(processes,
                                                                              f"{processes} processes side by side")
-    print(f"{result['command']} ({side_by_side}): {wall:.1f} s wall ({wall / 60:.1f} min), exit {code}: {last_line}")
+    print(f"{result['command']} ({side_by_side}): {wall:.1f} s wall ({wall / 60:.1f} min), exit {result['exit_code']}: "
+          f"{result['summary']}")
     print(f"machine: {result['machine']}")
     print(f"CPU: {cpu:.0f} s, all its processes together ({cpu / wall:.2f} cores kept busy on average); "
-          f"{sum(tests_cpu.values()):.0f} s of it counted in the tests' processes and those they waited for")
+          f"{sum(result['tests_cpu'].values()):.0f} s of it counted in the tests' processes and those they waited for")
     if before:
         print(f"before: {before['wall_s']:.1f} s wall ({before['wall_s'] / 60:.1f} min) on {before['machine']}")
     print_tables(result, before, args.slowest)
-    over = [test for test, seconds in tests.items() if seconds > LIMIT_S]
+    over = [test for test, seconds in result["tests"].items() if seconds > LIMIT_S]
     print(f"\ntests over {LIMIT_S:.0f} s: {len(over)}; pytest's output: {args.log}")
     if args.save:
         with open(args.save + ".tmp", "w") as f:
