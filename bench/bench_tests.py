@@ -52,7 +52,8 @@ def own_and_waited_cpu_seconds():
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A pytest hook (this file is loaded as a plugin in each pytest process, `-p bench.bench_tests`): the CPU seconds
-    of each test, its set-up and tear-down included, in the process that runs it (not pytest-xdist's controller)."""
+    of each test, its set-up and tear-down included, and when it ran, in the process that runs it (not pytest-xdist's
+    controller)."""
     start, started = own_and_waited_cpu_seconds(), time.time()
     result = yield
     if os.environ.get(CPU_LOG_ENV):
@@ -136,7 +137,7 @@ def print_tables(result, before, slowest):
         mark = "  OVER 15 s" if seconds > LIMIT_S else ""
         print(f"{seconds:7.1f} {column(result['tests_cpu'].get(test))}"
               + (f" {column(before['tests'].get(test))}" if before else "") + f"  {test}{mark}")
-        others = beside(result["spans"], test) if mark and test in result.get("spans", {}) else {}
+        others = beside(result["spans"], test) if mark and test in result["spans"] else {}
         if others:  # why it took so long: what shared the cores with it
             print("                 beside it: " + ", ".join(f"{path} {overlap:.1f} s"
                                                         for path, overlap in list(others.items())[:3]))
