@@ -118,9 +118,9 @@ def main(argv):
     if settings["quantize"]:  # the draft's weights too
         for each in filter(None, (model, draft)):
             quantize(each, settings["quantize"])
-    choose_decode_step(settings, model)
     tokenizer = Tokenizer(meta)
-    prompt_ids = encode_prompt(prompt, tokenizer, model)
+    prompt_ids = encode_prompt(prompt, tokenizer, model)  # a prompt it cannot take: one line, before any note
+    choose_decode_step(settings, model)
     if busy_note := cpu.check():  # torch's threads: the cores other processes leave free
         print(busy_note, file=sys.stderr)  # stdout stays the text
 

@@ -447,6 +447,18 @@ def test_bad_input_is_a_one_line_error(ckpts, monkeypatch, name):
     assert all(needle in message for needle in needles), message
 
 
+@pytest.mark.parametrize("default", ["graphs_by_default", "compiles_by_default"])
+def test_a_bad_prompt_is_the_only_line_where_the_decode_step_has_a_note(ckpts, monkeypatch, capsys, default):
+    """On a GPU (an H200 found it) the CUDA-graph note came before the prompt's error: two lines, not one. The note
+    of each default decode step is forced here, as a GPU or a model over 64 MB would choose it."""
+    from gpt import engine
+    monkeypatch.setattr(engine, default, lambda model: True)  # sample.py imports it afresh below
+    capsys.readouterr()
+    message = script_error(monkeypatch, f"--out_dir={ckpts['target']}", "--prompt=caf\u00e9 ~")
+    assert "\u00e9" in message
+    assert capsys.readouterr().err == ""
+
+
 def test_no_checkpoint_says_how_to_train_one(monkeypatch, tmp_path):
     message = script_error(monkeypatch, f"--out_dir={tmp_path / 'nothing'}")
     assert "no checkpoint" in message and str(tmp_path / "nothing") in message and "python train.py" in message
