@@ -1,6 +1,6 @@
-"""Muon's Newton-Schulz for one optimizer step at the GPT-2 124M shape: matrix by matrix (gpt/muon.py's way), against
-batched over the matrices of one shape (torch.baddbmm), on this machine's accelerator or its CPU. Issue 61 asks
-whether batching pays; a step of the 124M shape orthogonalizes 84 matrices of 4 shapes.
+"""Muon's Newton-Schulz for one optimizer step at the GPT-2 124M shape: matrix by matrix (gpt/muon.py's way on a CPU),
+against batched over the matrices of one shape (its way on CUDA), on this machine's accelerator or its CPU. A step of
+the 124M shape orthogonalizes 84 matrices of 4 shapes.
 
     python bench/bench_muon.py [--device=cuda] [--rounds=5]
 
@@ -20,20 +20,6 @@ from gpt.muon import orthogonalize, orthogonalize_dtype  # noqa: E402
 COEFFICIENTS, STEPS, EPS = (3.4445, -4.7750, 2.0315), 5, 1e-7  # torch.optim.Muon's defaults
 # the 124M shape's block matrices, (out, in) x how many: q and o, k and v (4 kv heads), gate and up, down
 SHAPES_124M = {(768, 768): 24, (256, 768): 24, (2048, 768): 24, (768, 2048): 12}
-
-
-def batched_orthogonalize(updates, dtype):
-    """orthogonalize for n matrices of one shape (n, out, in) at once: each normalized by its own norm."""
-    x = updates.to(dtype)
-    tall = x.size(-2) > x.size(-1)
-    if tall:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=EPS)
-    a, b, c = COEFFICIENTS
-    for _ in range(STEPS):
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
 
 
 def timed(run, device):
@@ -57,7 +43,7 @@ def main():
     updates = {shape: torch.randn(n, *shape, device=device) for shape, n in SHAPES_124M.items()}
     one_by_one = lambda: {s: torch.stack([orthogonalize(m, COEFFICIENTS, STEPS, EPS, dtype) for m in u])  # noqa: E731
                           for s, u in updates.items()}
-    batched = lambda: {s: batched_orthogonalize(u, dtype) for s, u in updates.items()}  # noqa: E731
+    batched = lambda: {s: orthogonalize(u, COEFFICIENTS, STEPS, EPS, dtype) for s, u in updates.items()}  # noqa: E731
     times, results = {"matrix by matrix": [], "batched by shape": []}, {}
     for _ in range(args.rounds + 1):  # the first round warms up
         for name, run in zip(times, (one_by_one, batched)):

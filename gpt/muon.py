@@ -7,17 +7,20 @@ from torch.optim._muon import _adjust_lr  # the learning rate per matrix shape, 
 
 def orthogonalize(update, coefficients, steps, eps, dtype):
     """torch.optim.Muon's quintic Newton-Schulz iteration (torch/optim/_muon.py, which fixes it to bfloat16) in dtype:
-    about the nearest semi-orthogonal matrix to update (its singular values brought near 1). (out, in) -> (out, in)."""
+    about the nearest semi-orthogonal matrix to update (its singular values brought near 1). (out, in) -> (out, in),
+    or a stack of matrices of one shape, each on its own: (n, out, in) -> (n, out, in)."""
     a, b, c = coefficients
     x = update.to(dtype)
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T  # (short, long): the Gram matrix below is the smaller one
-    x = x / x.norm().clamp(min=eps)  # the Frobenius norm bounds the spectral norm: singular values now at most 1
+        x = x.mT  # (short, long): the Gram matrix below is the smaller one
+    # the Frobenius norm bounds the spectral norm: singular values now at most 1
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
-    return x.T if tall else x
+        gram = x @ x.mT
+        x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)  # a x + (b G + c G^2) x
+    return x.mT if tall else x
 
 
 def orthogonalize_dtype(device):
@@ -46,8 +49,12 @@ class Muon(torch.optim.Muon):
                 param.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], param.shape))
 
     def orthogonalized(self, updates, group):
-        """The group's updates, each orthogonalized in turn, one matrix at a time in memory (gpt.parallel.ShardedMuon
-        takes them all and shares the work out instead)."""
+        """The group's updates orthogonalized: on CUDA the matrices of each shape as one batch (a step of the 124M
+        shape in 3.9 ms, not 29.5, on an H200: bench/bench_muon.py); elsewhere each in turn, one matrix at a time in
+        memory (no faster batched on a CPU, where the products' FLOPs bound it). gpt.parallel.ShardedMuon takes them
+        all and shares the work out instead."""
+        if group["params"][0].device.type == "cuda":
+            return orthogonalized_by_shape(list(updates), group)
         return (orthogonalize_in_group(update, group) for update in updates)
 
 
@@ -61,3 +68,16 @@ def momentum_update(grad, buffer, group):
 def orthogonalize_in_group(update, group):  # orthogonalize with a Muon param group's settings
     dtype = getattr(torch, group.get("ns_dtype", "bfloat16"))
     return orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+
+
+def orthogonalized_by_shape(updates, group):
+    """Each update orthogonalized, in their order, the updates of one shape stacked into one batch: a few launches a
+    shape, not a few per matrix."""
+    results, by_shape = [None] * len(updates), {}
+    for i, update in enumerate(updates):
+        by_shape.setdefault(update.shape, []).append(i)
+    for indices in by_shape.values():
+        batch = orthogonalize_in_group(torch.stack([updates[i] for i in indices]), group)  # (n, out, in)
+        for i, result in zip(indices, batch):
+            results[i] = result
+    return results

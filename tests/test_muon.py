@@ -100,3 +100,37 @@ def test_the_choice_is_saved_and_a_checkpoint_from_before_it_resumes_in_bfloat16
     assert "ns_dtype" not in old.param_groups[0]
     for g, e in zip(train_steps(ours, old, steps=2), train_steps(torchs, before, steps=2)):
         assert torch.equal(g, e)
+
+
+def six_matrices(device="cpu"):
+    """Two square, two tall and two wide weights of three shapes: stacked by shape when batched."""
+    torch.manual_seed(0)
+    sizes = (12, 12, 12, 20, 12, 20, 7)
+    return torch.nn.Sequential(*(torch.nn.Linear(i, o, bias=False) for i, o in zip(sizes, sizes[1:]))).to(device)
+
+
+@pytest.mark.parametrize("dtype, atol", [("bfloat16", 0), ("float32", 1e-5)])
+def test_matrices_batched_by_shape_step_as_each_in_turn(monkeypatch, dtype, atol):
+    """CUDA's way (orthogonalized_by_shape: a stack per shape) gives the weights of the CPU's (a matrix at a time)
+    after 3 steps, in the order the parameters come: bit for bit in bfloat16, CUDA's dtype (float32's batched
+    products may round differently)."""
+    with_dtype(monkeypatch, dtype)
+    in_turn, batched = six_matrices(), six_matrices()
+    expected = train_steps(in_turn, muon.Muon(in_turn.parameters(), **SETTINGS))
+    monkeypatch.setattr(muon.Muon, "orthogonalized",
+                        lambda self, updates, group: muon.orthogonalized_by_shape(list(updates), group))
+    got = train_steps(batched, muon.Muon(batched.parameters(), **SETTINGS))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=atol, rtol=0)
+
+
+def test_cuda_batches_the_matrices_of_a_shape_and_a_cpu_takes_them_in_turn(device, monkeypatch):
+    batches = []
+    monkeypatch.setattr(muon, "orthogonalized_by_shape",
+                        lambda updates, group, f=muon.orthogonalized_by_shape: batches.append(len(updates)) or
+                        f(updates, group))
+    model = six_matrices(device)
+    x = torch.randn(5, 12, device=device)
+    model(x).square().sum().backward()
+    muon.Muon(model.parameters(), **SETTINGS).step()
+    assert batches == ([6] if torch.device(device).type == "cuda" else [])
