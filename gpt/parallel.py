@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpt import UserError
-from gpt.muon import Muon, orthogonalize_in_group
+from gpt.muon import Muon
 
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)  # the whole state, on rank 0's CPU
 
@@ -105,8 +105,9 @@ class ShardedMuon(Muon):
         # 1. every rank's rows of each matrix to its owner, which puts its matrices together and orthogonalizes them
         pieces = exchange([[shards[i] for i in owned[r]] for r in range(world)],
                           [[size[i][r] for i in owned[rank]] for r in range(world)], shards[0])  # [r][j]: rank r's
-        results = [orthogonalize_in_group(torch.cat([p[j] for p in pieces]).view(updates[i].shape), group)
-                   .to(updates[i].dtype) for j, i in enumerate(owned[rank])]
+        whole = [torch.cat([p[j] for p in pieces]).view(updates[i].shape) for j, i in enumerate(owned[rank])]
+        results = [result.to(updates[i].dtype)  # Muon's way on this device: on CUDA, batched by shape
+                   for result, i in zip(super().orthogonalized(whole, group), owned[rank])]
         # 2. each result's rows back to the rank holding them
         starts = [[sum(n[:r]) for r in range(world)] for n in rows]  # starts[i][r]: rank r's first row of matrix i
         back = exchange([[w[starts[i][r]:starts[i][r] + rows[i][r]].flatten() for w, i in zip(results, owned[rank])]
