@@ -17,7 +17,9 @@ NOTE_COLUMN = 36  # where each setting's comment starts
 
 def usage(defaults):
     """The --help text for the script whose module-level DEFAULTS is `defaults`."""
-    module = next((m for m in list(sys.modules.values()) if getattr(m, "DEFAULTS", None) is defaults), None)
+    # each module's own names only: a lazy module (transformers') imports a submodule on any attribute it is asked for
+    module = next((m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get("DEFAULTS") is defaults),
+                  None)
     path = getattr(module, "__file__", None) or ""
     events = settings_source(path) if path.endswith(".py") else []
     explained = {event[1] for event in events if event[0] == "key"}

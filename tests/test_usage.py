@@ -4,6 +4,7 @@ script's DEFAULTS, read from the source, exit status 0, and nothing else done.""
 import contextlib
 import io
 import os
+import sys
 import types
 
 import pytest
@@ -64,3 +65,21 @@ def test_help_shows_each_comment_beside_its_setting_and_the_groups(helps):
     assert "\nlearning rate decaying" not in out
     # the model's settings come from GPTConfig through **MODEL_DEFAULTS, listed under that line's comment
     assert "(every GPTConfig field (see model.py)" in out and "  --n_layer=6" in out
+
+
+def test_help_asks_other_modules_for_no_attribute(monkeypatch):
+    """--help finds its script among the imported modules. It asked each for DEFAULTS, and transformers' lazy module
+    answers any attribute by importing a submodule: with transformers 5.20 imported (on Python 3.10), --help failed
+    on its aria model's missing torchvision. A module that raises on every attribute read stands in for it."""
+    def fails(name):
+        raise ModuleNotFoundError("No module named 'torchvision'")
+
+    lazy = types.ModuleType("lazy")
+    lazy.__getattr__ = fails  # the module's own __getattr__ (PEP 562), as transformers' _LazyModule answers
+    monkeypatch.setitem(sys.modules, "lazy", lazy)
+    monkeypatch.delitem(sys.modules, "sample")
+    monkeypatch.setitem(sys.modules, "sample", sample)  # after it in sys.modules: the search meets it first
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        sample.main(["--help"])
+    assert out.getvalue().startswith("usage: python sample.py") and "--prompt=" in out.getvalue()
