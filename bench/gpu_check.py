@@ -1,7 +1,7 @@
 """The GPU acceptance run: one command that runs every mode a GPU owner depends on, each as a row with PASS or FAIL
 and its figures, and ends with a summary to paste into a bug report.
 
-    python bench/gpu_check.py                  # on a GPU: the test suite, then every row at the 124M shape
+    python bench/gpu_check.py                  # on a GPU: the device's tests, then every row at the 124M shape
     python bench/gpu_check.py --device=cuda:1  # one card of several
     python bench/gpu_check.py --tiny           # any machine, a tiny model: every row runs (CI runs this on the CPU)
     python bench/gpu_check.py --tiny --jobs=2  # two rows at once where neither reads the other's: sooner, figures
@@ -11,7 +11,8 @@ Each row runs real commands in fresh processes, as a user would type them, with 
 sample.py and eval.py; a row that fails records its error line and the last lines of its output, and the rows after
 it still run (the eval and decoding rows need train's checkpoint: without it they fail with "needs the train row").
 The rows:
-  tests        the test suite, with TEST_DEVICE=cuda on a GPU (tests/conftest.py); --no_tests skips it
+  tests        the tests that take the device (pytest -m device, ~260: tests/conftest.py), with TEST_DEVICE=cuda
+               on a GPU (under 2 minutes on an H200); the others run as on any CPU; --no_tests skips it
   data         data/shakespeare_char/prepare.py (Tiny Shakespeare's characters; every run below trains on them)
   train_eager  train.py, one process, --compile=False: the speed torch.compile is measured against
   train        train.py, one process, --compile=True: ms/iter, tokens/s, MFU, the first step (compilation) and
@@ -350,8 +351,8 @@ def row_tests(ctx):
     test_device = "cuda" if ctx.cuda else ctx.kind  # a cuda:N is the only card its CUDA_VISIBLE_DEVICES shows
     # pytest.ini's -n spreads the files over the cores (pytest-xdist); a GPU machine may have pytest alone: one process
     in_one_process = [] if importlib.util.find_spec("xdist") else ["-o", "addopts=-rfE"]
-    returncode, output = run(ctx, [ctx.python, "-m", "pytest", "-p", "no:cacheprovider", *in_one_process],
-                             dict(os.environ, **ctx.one_card, TEST_DEVICE=test_device), cwd=ROOT)
+    command = [ctx.python, "-m", "pytest", "-m", "device", "-p", "no:cacheprovider", *in_one_process]
+    returncode, output = run(ctx, command, dict(os.environ, **ctx.one_card, TEST_DEVICE=test_device), cwd=ROOT)
     lines = output.strip().splitlines()
     figures = dict(summary=lines[-1] if lines else "(no output)", test_device=test_device,
                    failed=[line for line in lines if line.startswith(("FAILED ", "ERROR "))])
@@ -960,7 +961,7 @@ def main():
     parser.add_argument("--device", default="auto", help="auto (CUDA, then MPS, then CPU), cpu, cuda or cuda:N; "
                         "passed to every train.py and sample.py")
     parser.add_argument("--tiny", action="store_true", help="a tiny model instead of the 124M shape (any machine)")
-    parser.add_argument("--no_tests", action="store_true", help="skip the test suite")
+    parser.add_argument("--no_tests", action="store_true", help="skip the tests that take the device")
     parser.add_argument("--skip", default="", help="rows to leave out, comma-separated (a row that needs one fails "
                         "saying so)")
     parser.add_argument("--iters", default="", help="training iterations per row (default 50, tiny 12)")

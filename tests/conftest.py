@@ -68,6 +68,16 @@ def device():
     return DEVICE
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(items):
+    """Each test that takes the device fixture is marked `device`: `TEST_DEVICE=cuda python -m pytest -m device` runs
+    on a GPU just the tests that use it (268 of ~1,100: under 2 minutes on an H200; bench/gpu_check.py's tests row)."""
+    for item in items:
+        own_parameters = item.callspec.params if hasattr(item, "callspec") else {}  # its own "device" is not it
+        if "device" in getattr(item, "fixturenames", ()) and "device" not in own_parameters:
+            item.add_marker(pytest.mark.device)
+
+
 @pytest.fixture(autouse=True)
 def exact_fp32_matmuls():
     """On CUDA, fp32 matmuls in fp32 before each test: train.main turns TF32 on process-wide (tests call it in

@@ -568,7 +568,7 @@ def test_bad_input_is_one_line(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("has_xdist", [True, False])
 def test_the_tests_row_runs_the_suite_on_its_device_with_or_without_xdist(monkeypatch, has_xdist):
-    """The tests row runs README's command with TEST_DEVICE; where pytest-xdist is missing (a GPU machine may have
+    """The tests row runs README's command with TEST_DEVICE and -m device (the tests that take it); where pytest-xdist is missing (a GPU machine may have
     pytest alone), without pytest.ini's -n, which pytest would refuse as an unknown option."""
     gpu_check, calls = load_script(), []
     find_spec = importlib.util.find_spec
@@ -580,11 +580,20 @@ def test_the_tests_row_runs_the_suite_on_its_device_with_or_without_xdist(monkey
                           one_card={"CUDA_VISIBLE_DEVICES": "1"})
     figures, line = gpu_check.row_tests(ctx)
     [(command, env)] = calls
-    assert command[:3] == [sys.executable, "-m", "pytest"] and env["TEST_DEVICE"] == "cuda"
+    assert command[:5] == [sys.executable, "-m", "pytest", "-m", "device"] and env["TEST_DEVICE"] == "cuda"
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and line == "5 passed in 1.00s (TEST_DEVICE=cuda)"
     assert ("-o" in command) == (not has_xdist)
     if not has_xdist:
         assert "-n" not in command[command.index("-o") + 1]  # pytest.ini's addopts replaced, its -n with them
+
+
+def test_dash_m_device_selects_the_tests_that_take_the_device_fixture():
+    """conftest.py marks them; test_muon.py has one, and one whose own parameter is named device (not the fixture)."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-m", "device", "-p", "no:cacheprovider",
+                             "tests/test_muon.py"], capture_output=True, text=True, cwd=ROOT)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    chosen = [line for line in listed.stdout.splitlines() if "::" in line]
+    assert chosen == ["tests/test_muon.py::test_cuda_batches_the_matrices_of_a_shape_and_a_cpu_takes_them_in_turn"]
 
 
 def test_what_the_rows_decide_on_a_gpu(fake_cuda, monkeypatch, tmp_path):
