@@ -71,7 +71,7 @@ def device():
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
     """Each test that takes the device fixture is marked `device`: `TEST_DEVICE=cuda python -m pytest -m device` runs
-    on a GPU just the tests that use it (268 of ~1,100: under 2 minutes on an H200; bench/gpu_check.py's tests row)."""
+    on a GPU just the tests that use it (~260 of ~1,100: under 2 minutes on an H200; bench/gpu_check.py's tests row)."""
     for item in items:
         own_parameters = item.callspec.params if hasattr(item, "callspec") else {}  # its own "device" is not it
         if "device" in getattr(item, "fixturenames", ()) and "device" not in own_parameters:

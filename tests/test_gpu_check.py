@@ -568,8 +568,8 @@ def test_bad_input_is_one_line(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("has_xdist", [True, False])
 def test_the_tests_row_runs_the_suite_on_its_device_with_or_without_xdist(monkeypatch, has_xdist):
-    """The tests row runs README's command with TEST_DEVICE and -m device (the tests that take it); where pytest-xdist is missing (a GPU machine may have
-    pytest alone), without pytest.ini's -n, which pytest would refuse as an unknown option."""
+    """The tests row runs README's command with TEST_DEVICE and -m device (the tests that take it); where pytest-xdist
+    is missing (a GPU machine may have pytest alone), without pytest.ini's -n, which pytest would refuse as unknown."""
     gpu_check, calls = load_script(), []
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: find_spec(name) if has_xdist or name != "xdist"
