@@ -107,8 +107,14 @@ def world_jobs(root, workdir):
         return os.path.join(root, name)
 
     return {
+        # quick ones first (their tests come first): the first test waits for the world's start, not a training run
+        "send_a_file": lambda rank: send_a_file(rank, os.path.join(root, "file.bin"), os.path.join(root, "sent")),
+        "group_started": lambda rank: group_started_on_every_rank(rank, os.path.join(root, "rank1_started")),
+        "mps": lambda rank: on_mps_under_torchrun(workdir, out("mps")),
+        "accumulation": lambda rank: accumulation_that_does_not_divide(workdir, out("accumulation")),
         "fsdp": train_job(workdir, out("fsdp"), "--max_iters=6", "--fsdp=True"),
         "ddp": train_job(workdir, out("ddp"), "--max_iters=6", *DDP_BATCH),
+        "ddp_micro_steps": train_job(workdir, out("ddp_micro_steps"), "--max_iters=6"),
         "muon_fsdp_3": train_job(workdir, out("muon_fsdp"), "--max_iters=3", "--fsdp=True", *MUON),
         "muon_fsdp": train_job(workdir, out("muon_fsdp"), *RESUME, "--fsdp=True", *MUON),
         "sharded_muon": sharded_muon_steps,
@@ -122,15 +128,11 @@ def world_jobs(root, workdir):
         # filesystem; ckpt.pt only on rank 0's
         "nodes": lambda rank: train_job(workdir, "run", *RESUME, copy_from=out("fsdp_3"),
                                         cwd=os.path.join(root, "nodes", f"node{rank}"))(rank),
-        "send_a_file": lambda rank: send_a_file(rank, os.path.join(root, "file.bin"), os.path.join(root, "sent")),
         "fsdp_bf16": train_job(workdir, out("fsdp_bf16"), *BF16, "--fsdp=True"),
         "fsdp_resumes_a_cpu_run": fsdp_resumes_a_cpu_run,
         "fsdp_ac_loads_an_optimizer_state": fsdp_ac_loads_an_optimizer_state,
         "bytes_ddp": lambda rank: bytes_per_process("ddp"),
         "bytes_fsdp": lambda rank: bytes_per_process("fsdp"),
-        "group_started": lambda rank: group_started_on_every_rank(rank, os.path.join(root, "rank1_started")),
-        "mps": lambda rank: on_mps_under_torchrun(workdir, out("mps")),
-        "accumulation": lambda rank: accumulation_that_does_not_divide(workdir, out("accumulation")),
     }
 
 
@@ -228,6 +230,110 @@ def world(workdir, tmp_path_factory):
             proc.wait(timeout=60)
 
 
+# ----------------------------------------------------------------------------------------------------
+# The world's quick jobs, first: a process group's start, a file sent, settings refused on every rank
+
+
+def send_a_file(rank, path, out):
+    """The world's job for the test below: the file at path sent from rank 0 (to out/rank<r>) in chunks of 1000
+    bytes, and then a missing file; the sizes each broadcast carried and what the missing file gave."""
+    from gpt import parallel
+
+    sizes, broadcast = [], dist.broadcast
+    with pytest.MonkeyPatch.context() as patch, torchrun_group():
+        patch.setattr(parallel, "BROADCAST_CHUNK", 1000)
+        patch.setattr(dist, "broadcast", lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src))
+        data = parallel.file_from_rank0(path if rank == 0 else "no such file", "cpu")
+        missing = parallel.file_from_rank0(os.path.join(out, "missing"), "cpu")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"rank{rank}"), "wb") as f:
+        f.write(bytes(data))
+    return f"{sizes} {missing}"
+
+
+def test_a_file_goes_to_every_rank_in_chunks(world):
+    """Resuming on nodes without a shared filesystem, rank 0 sends ckpt.pt: in BROADCAST_CHUNK pieces (a GPU
+    holds one piece, not the whole file), every rank ending with rank 0's bytes; a file rank 0 cannot read is None
+    on every rank."""
+    assert world.result("send_a_file") == ["[1, 1000, 1000, 500, 1] None"] * 2
+    with open(os.path.join(world.root, "file.bin"), "rb") as f:
+        sent = f.read()
+    for rank in (0, 1):
+        with open(os.path.join(world.root, "sent", f"rank{rank}"), "rb") as f:
+            assert f.read() == sent
+
+
+def group_started_on_every_rank(rank, flag):
+    """The world's job for the test below: start_processes on each rank, rank 1's init_process_group returning late
+    (0.5 s, having then written flag), as on a loaded machine: whether flag was there when each returned."""
+    init = dist.init_process_group
+
+    def slow_init(*args, **kwargs):
+        init(*args, **kwargs)
+        time.sleep(0.5)
+        open(flag, "w").close()
+
+    dist.init_process_group = slow_init if rank == 1 else init
+    try:
+        start_processes("cpu")
+    finally:
+        dist.init_process_group = init
+    started = os.path.exists(flag)
+    dist.barrier()  # both past start_processes before the group ends, whatever it gave
+    dist.destroy_process_group()
+    return str(started)
+
+
+def test_no_rank_goes_on_until_every_ranks_process_group_has_started(world):
+    """On gloo, a rank whose group had started went on while another's still connected: a setting refused next on
+    every rank (the accumulation below) ended the first one's process, and with it the connection the other was
+    making, whose line was then gloo's "connectFullMesh failed ... Connection closed by peer" (seen once in a suite
+    run). start_processes returns on no rank before every rank's init_process_group has (rank 1's late here)."""
+    assert world.result("group_started") == ["True", "True"]
+
+
+def on_mps_under_torchrun(workdir, out_dir):
+    """The world's job for the test below: `torchrun ... train.py --device=mps`, as run_script runs it in this
+    process: its exit status and stderr."""
+    args = [a for a in TINY if not a.startswith("--device")] + ["--device=mps", f"--out_dir={out_dir}"]
+    with faked_mps():  # as on a Mac: else resolve_device says there is no MPS device first
+        result = run_script(TRAIN, args, workdir)
+    return f"{result.returncode}\n{result.stderr}"
+
+
+def test_torchrun_on_mps_is_one_line_on_every_rank(world):
+    """gloo carries CPU and CUDA tensors only (torch's backend_capability): DDP and FSDP cannot run on a Mac's GPU.
+    Each process says so in one line before its process group starts (train.py as torchrun starts it, in the world's
+    processes: run_script; a real torchrun whose processes each stop with their line is
+    test_more_processes_than_gpus_is_one_line_on_every_rank)."""
+    for result in world.result("mps"):
+        status, stderr = result.split("\n", 1)
+        assert status == "1" and stderr.count("\n") == 1, stderr
+        assert stderr.startswith("error: ") and "gloo, which cannot carry MPS tensors" in stderr, stderr
+        assert "--device=cpu" in stderr, stderr
+
+
+def accumulation_that_does_not_divide(workdir, out_dir):
+    """The world's job for the test below: `torchrun ... train.py` with 3 micro-steps, as run_script runs it in this
+    process: its exit status and stderr, in lines."""
+    result = run_script(TRAIN, [*TINY, *TWO_PROCESSES, f"--out_dir={out_dir}", "--gradient_accumulation_steps=3"],
+                        workdir)
+    if dist.is_initialized():  # refused after the process group started, which the process's exit would end
+        dist.destroy_process_group()
+    return f"{result.returncode}\n{result.stderr}"
+
+
+def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(world):
+    """3 micro-steps of 4 sequences: 6 a process, more than one micro-step holds, in steps that 2 do not divide. Each
+    process exits with the line (train.py as torchrun starts it, in the world's processes: run_script)."""
+    for result in world.result("accumulation"):
+        status, stderr = result.split("\n", 1)
+        assert status != "0"
+        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+        assert errors and "--gradient_accumulation_steps=4" in errors[0], stderr
+    assert not os.path.exists(os.path.join(world.root, "accumulation", "ckpt.pt"))
+
+
 def test_fsdp_ddp_and_one_process_train_the_same_model(world):
     """The same global batch (2 processes x 1 micro-step, or 1 x 2; DDP's split from one micro-step), the same losses
     and final weights within 1e-5 (fp32; the sums run in another order). Measured: 7.3e-6 at most in the weights
@@ -236,6 +342,22 @@ def test_fsdp_ddp_and_one_process_train_the_same_model(world):
     assert "the global batch of 8 sequences of 32 tokens is 4 on each of 2 processes" in world.result("ddp")[0]
     assert_same_run(world.out_dir("fsdp"), world.out_dir("single"), 1e-5)
     assert_same_run(world.out_dir("ddp"), world.out_dir("single"), 1e-5)
+
+
+def test_two_process_ddp_matches_one_process(world):
+    """RUN's 2 micro-steps of 4 sequences on 2 processes under DDP (1 micro-step each) and on one process (2): the same
+    records, evaluations included, each with the same keys, the same losses and gradient norms within 1e-4, and the same
+    learning rates."""
+    assert "2 process(es) on cpu" in world.result("ddp_micro_steps")[0]
+    expected, got = records(world.out_dir("single")), records(world.out_dir("ddp_micro_steps"))
+    assert [r["iter"] for r in got] == [r["iter"] for r in expected] == [0, 1, 2, 3, 3, 4, 5, 6, 6]
+    for e, g in zip(expected, got):
+        assert set(e) == set(g)
+        for key in ("loss", "val_loss", "train_loss", "grad_norm"):
+            if key in e:
+                assert abs(e[key] - g[key]) < 1e-4, (key, e, g)
+        if "lr" in e:
+            assert e["lr"] == g["lr"]
 
 
 def test_the_same_command_on_one_process_is_the_same_run_evaluations_included(world, workdir, tmp_path):
@@ -372,35 +494,6 @@ def test_a_run_resumes_on_nodes_that_share_no_filesystem(world):
     nodes = os.path.join(world.root, "nodes")
     assert not os.path.exists(os.path.join(nodes, "node1", "run"))
     assert_same_run(os.path.join(nodes, "node0", "run"), world.out_dir("single"), 1e-5)
-
-
-def send_a_file(rank, path, out):
-    """The world's job for the test below: the file at path sent from rank 0 (to out/rank<r>) in chunks of 1000
-    bytes, and then a missing file; the sizes each broadcast carried and what the missing file gave."""
-    from gpt import parallel
-
-    sizes, broadcast = [], dist.broadcast
-    with pytest.MonkeyPatch.context() as patch, torchrun_group():
-        patch.setattr(parallel, "BROADCAST_CHUNK", 1000)
-        patch.setattr(dist, "broadcast", lambda tensor, src: sizes.append(tensor.numel()) or broadcast(tensor, src))
-        data = parallel.file_from_rank0(path if rank == 0 else "no such file", "cpu")
-        missing = parallel.file_from_rank0(os.path.join(out, "missing"), "cpu")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, f"rank{rank}"), "wb") as f:
-        f.write(bytes(data))
-    return f"{sizes} {missing}"
-
-
-def test_a_file_goes_to_every_rank_in_chunks(world):
-    """Resuming on nodes without a shared filesystem, rank 0 sends ckpt.pt: in BROADCAST_CHUNK pieces (a GPU
-    holds one piece, not the whole file), every rank ending with rank 0's bytes; a file rank 0 cannot read is None
-    on every rank."""
-    assert world.result("send_a_file") == ["[1, 1000, 1000, 500, 1] None"] * 2
-    with open(os.path.join(world.root, "file.bin"), "rb") as f:
-        sent = f.read()
-    for rank in (0, 1):
-        with open(os.path.join(world.root, "sent", f"rank{rank}"), "rb") as f:
-            assert f.read() == sent
 
 
 def test_fsdp_in_bfloat16_computes_in_bfloat16_and_keeps_fp32_weights(world, workdir, tmp_path):
@@ -727,73 +820,3 @@ def test_more_processes_than_gpus_is_one_line_on_every_rank(fake_cuda, workdir, 
     assert errors == ["error: torchrun started 2 processes on this node, but it has 1 CUDA GPU(s), one per process; "
                       "pass --nproc_per_node=1"] * 2, output
     assert "invalid device ordinal" not in output and "NCCL" not in output
-
-
-def group_started_on_every_rank(rank, flag):
-    """The world's job for the test below: start_processes on each rank, rank 1's init_process_group returning late
-    (0.5 s, having then written flag), as on a loaded machine: whether flag was there when each returned."""
-    init = dist.init_process_group
-
-    def slow_init(*args, **kwargs):
-        init(*args, **kwargs)
-        time.sleep(0.5)
-        open(flag, "w").close()
-
-    dist.init_process_group = slow_init if rank == 1 else init
-    try:
-        start_processes("cpu")
-    finally:
-        dist.init_process_group = init
-    started = os.path.exists(flag)
-    dist.barrier()  # both past start_processes before the group ends, whatever it gave
-    dist.destroy_process_group()
-    return str(started)
-
-
-def test_no_rank_goes_on_until_every_ranks_process_group_has_started(world):
-    """On gloo, a rank whose group had started went on while another's still connected: a setting refused next on
-    every rank (the accumulation below) ended the first one's process, and with it the connection the other was
-    making, whose line was then gloo's "connectFullMesh failed ... Connection closed by peer" (seen once in a suite
-    run). start_processes returns on no rank before every rank's init_process_group has (rank 1's late here)."""
-    assert world.result("group_started") == ["True", "True"]
-
-
-def on_mps_under_torchrun(workdir, out_dir):
-    """The world's job for the test below: `torchrun ... train.py --device=mps`, as run_script runs it in this
-    process: its exit status and stderr."""
-    args = [a for a in TINY if not a.startswith("--device")] + ["--device=mps", f"--out_dir={out_dir}"]
-    with faked_mps():  # as on a Mac: else resolve_device says there is no MPS device first
-        result = run_script(TRAIN, args, workdir)
-    return f"{result.returncode}\n{result.stderr}"
-
-
-def test_torchrun_on_mps_is_one_line_on_every_rank(world):
-    """gloo carries CPU and CUDA tensors only (torch's backend_capability): DDP and FSDP cannot run on a Mac's GPU.
-    Each process says so in one line before its process group starts (train.py as torchrun starts it, in the world's
-    processes: run_script; a real torchrun whose processes each stop with their line is the test above)."""
-    for result in world.result("mps"):
-        status, stderr = result.split("\n", 1)
-        assert status == "1" and stderr.count("\n") == 1, stderr
-        assert stderr.startswith("error: ") and "gloo, which cannot carry MPS tensors" in stderr, stderr
-        assert "--device=cpu" in stderr, stderr
-
-
-def accumulation_that_does_not_divide(workdir, out_dir):
-    """The world's job for the test below: `torchrun ... train.py` with 3 micro-steps, as run_script runs it in this
-    process: its exit status and stderr, in lines."""
-    result = run_script(TRAIN, [*TINY, *TWO_PROCESSES, f"--out_dir={out_dir}", "--gradient_accumulation_steps=3"],
-                        workdir)
-    if dist.is_initialized():  # refused after the process group started, which the process's exit would end
-        dist.destroy_process_group()
-    return f"{result.returncode}\n{result.stderr}"
-
-
-def test_an_accumulation_that_does_not_divide_among_processes_says_what_to_pass(world):
-    """3 micro-steps of 4 sequences: 6 a process, more than one micro-step holds, in steps that 2 do not divide. Each
-    process exits with the line (train.py as torchrun starts it, in the world's processes: run_script)."""
-    for result in world.result("accumulation"):
-        status, stderr = result.split("\n", 1)
-        assert status != "0"
-        errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-        assert errors and "--gradient_accumulation_steps=4" in errors[0], stderr
-    assert not os.path.exists(os.path.join(world.root, "accumulation", "ckpt.pt"))

@@ -762,33 +762,7 @@ def test_a_second_signal_during_a_checkpoint_write_ends_the_run_and_the_last_che
 
 
 # ----------------------------------------------------------------------------------------------------
-# Distributed, wandb
-
-
-def test_two_process_ddp_matches_one_process(workdir, tmp_path):
-    args = TINY + TWO_PROCESSES + ["--dropout=0.0", "--gradient_accumulation_steps=2", "--max_iters=4",
-                                   "--eval_interval=2"]
-    ddp_dir, single_dir = str(tmp_path / "ddp"), str(tmp_path / "single")
-    log_path = str(tmp_path / "output.txt")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", TRAIN, *args,
-               f"--out_dir={ddp_dir}"]
-    with in_background(command, workdir, log_path) as ddp:
-        with in_dir(workdir):  # the reference run meanwhile, in this process
-            train.main(args + [f"--out_dir={single_dir}"])
-        ddp.wait(timeout=300)
-    with open(log_path) as f:
-        output = f.read()
-    assert ddp.returncode == 0, output
-    assert "2 process(es) on cpu" in output
-    expected, got = records(single_dir), records(ddp_dir)
-    assert [r["iter"] for r in got] == [r["iter"] for r in expected] == [0, 1, 2, 2, 3, 4, 4]
-    for e, g in zip(expected, got):
-        assert set(e) == set(g)
-        for key in ("loss", "val_loss", "train_loss", "grad_norm"):
-            if key in e:
-                assert abs(e[key] - g[key]) < 1e-4, (key, e, g)
-        if "lr" in e:
-            assert e["lr"] == g["lr"]
+# wandb (runs on several processes: tests/test_parallel.py)
 
 
 def test_offline_wandb_run_writes_its_files(workdir, tmp_path, monkeypatch):
