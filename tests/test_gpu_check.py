@@ -49,10 +49,10 @@ GROUPS = {
     "ddp": ["ddp"],
     "fsdp": ["fsdp"],
     "precision": ["fp16", "bf16", "memory"],
-    # train's speed over train_eager's; resume reads train's losses, eval its checkpoint
-    "training": ["train_eager", "train", "resume", "eval"],
-    # the decodes read train's checkpoint; the draft row decodes the plain greedy text it is compared with
-    "decoding": ["train", "int8", "draft"],
+    "training": ["train_eager", "train"],  # train's speed over train_eager's
+    # resume reads train's losses; eval and the decodes its checkpoint; the draft row decodes the plain greedy text
+    # it is compared with
+    "decoding": ["train", "resume", "eval", "int8", "draft"],
 }
 # The check with faked CUDA (tests/fake_cuda), with each --device spelling: (spelling, the card's compute capability)
 FAKE = {"one_card": ("cuda:1", (7, 5)), "every_card": ("auto", (8, 0))}  # plain cuda: as auto
