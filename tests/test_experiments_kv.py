@@ -2,6 +2,7 @@
 step does constant matmul work where the uncached one grows with the context, and gives the same logits; GQA
 and MQA shrink the KV cache by n_head / n_kv_head), not their timings, which the scripts print."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -24,20 +25,25 @@ SCRIPTS = ["kv_cache", "kv_heads", "position", "scaling"]
 
 @pytest.fixture(scope="module", autouse=True)
 def scripts():
-    """The experiments run as scripts, as experiments/README.md runs them, from the repo: each started with the module
-    (each spends a second or more importing torch, on the core the in-process tests leave) and waited for by its test.
-    {name: Popen}: "run" is kv_cache.py at its small shape, and each name of SCRIPTS its --help."""
-    def start(script, *args, **env):
-        return subprocess.Popen([sys.executable, os.path.join(ROOT, "experiments", f"{script}.py"), *args], cwd=ROOT,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, **env))
+    """The experiments run as scripts, as experiments/README.md runs them, from the repo, while the in-process tests
+    run (each spends a second or more importing torch, on the core those tests leave), each waited for by its test:
+    "run", kv_cache.py at its small shape (a Popen), and each name of SCRIPTS, its --help (a Future of the
+    CompletedProcess). The --help runs go one at a time beside the run: five processes started at once kept the
+    run's test waiting 10 s in a suite run on 2 cores."""
+    def command(script, *args):
+        return [sys.executable, os.path.join(ROOT, "experiments", f"{script}.py"), *args]
 
-    procs = {"run": start("kv_cache", "--shape=small", "--repeats=1", OMP_NUM_THREADS="1"),
-             **{script: start(script, "--help") for script in SCRIPTS}}
-    yield procs
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
+    run = subprocess.Popen(command("kv_cache", "--shape=small", "--repeats=1"), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as one_at_a_time:
+        helps = {script: one_at_a_time.submit(subprocess.run, command(script, "--help"), cwd=ROOT,
+                                              capture_output=True, text=True, timeout=120) for script in SCRIPTS}
+        yield {"run": run, **helps}
+        for future in helps.values():  # tests deselected: the runs not yet started never start
+            future.cancel()
+        if run.poll() is None:
+            run.kill()
+        run.communicate()
 
 
 def tiny(**overrides):
@@ -136,7 +142,7 @@ def test_kv_heads_runs_its_four_trainings_and_prints_the_table(workdir, tmp_path
 def test_every_experiment_starts_as_a_script(scripts, script):
     """`python experiments/NAME.py` as experiments/README.md runs it gets past its imports (kv_heads and kv_cache
     once failed there, importing bench/ modules as top-level ones): --help exits 0 with its usage."""
-    result = finished(scripts[script], timeout=120)
+    result = scripts[script].result()
     assert result.returncode == 0 and result.stdout.startswith(f"usage: {script}.py"), result.stderr
 
 

@@ -62,11 +62,11 @@ FAKE = {"one_card": ("cuda:1", (7, 5)), "every_card": ("auto", (8, 0))}  # plain
 SKIPPED = {"cuda:1": ["train", "ddp", "memory"], "auto": ["train_eager", "fsdp", "fp16"]}
 # The runs, in two lanes of one run after another (Runs). PACED: in the order the tests read them, rows ending a few
 # seconds apart, each a test's wait; first the torchrun rows, alone (their two processes keep both cores busy: beside
-# another run they took half as long again). BACKGROUND: the decoding group, ~55 s of one core, beside the paced runs
-# from BESIDE on: it has ended when its tests come, after the tests that run no check. It runs one row at a time
-# (--jobs=1, as on a GPU), one core's worth, and leaves the other to the paced runs (nice would not make it give way:
-# gpu_check runs each command in a session of its own, and where the kernel shares the CPU between sessions first, as
-# Linux's autogroup does, nice counts within a session only)
+# another run they took half as long again). BACKGROUND: the decoding group (train, and the rows that read its run),
+# ~70 s of one core, beside the paced runs from BESIDE on: it has ended, or nearly, when its tests come, after the tests
+# that run no check. It runs one row at a time (--jobs=1, as on a GPU), one core's worth, and leaves the other to the
+# paced runs (nice would not make it give way: gpu_check runs each command in a session of its own, and where the
+# kernel shares the CPU between sessions first, as Linux's autogroup does, nice counts within a session only)
 PACED = ["ddp", "fsdp", "training", "precision", "one_card", "every_card"]
 BACKGROUND, BESIDE = ["decoding"], "training"
 # Rows side by side where none reads another's (--jobs), as CI may run the check: each row still runs all its
