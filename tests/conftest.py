@@ -72,10 +72,17 @@ def device():
     return DEVICE
 
 
+# The file collected last: its runs of bench/gpu_check.py keep more than a core busy for ~100 s, and beside them the
+# other worker's tests ran 2-3 times slower (a compile test took 17.9 s); last, it has the machine nearly to itself
+LAST = "test_gpu_check.py"
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
     """Each test that takes the device fixture is marked `device`: `TEST_DEVICE=cuda python -m pytest -m device` runs
-    on a GPU just the tests that use it (~260 of ~1,100: under 2 minutes on an H200; bench/gpu_check.py's tests row)."""
+    on a GPU just the tests that use it (~260 of ~1,100: under 2 minutes on an H200; bench/gpu_check.py's tests row).
+    LAST's tests go last (pytest-xdist hands the files out in this order: pytest.ini's --no-loadscope-reorder)."""
+    items.sort(key=lambda item: item.path.name == LAST)  # stable: the others keep their order
     for item in items:
         own_parameters = item.callspec.params if hasattr(item, "callspec") else {}  # its own "device" is not it
         if "device" in getattr(item, "fixturenames", ()) and "device" not in own_parameters:
